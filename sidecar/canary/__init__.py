@@ -1,0 +1,51 @@
+"""Role-aware canaries: one prober per backend, and the pure rule that plans an endpoint's canary.
+
+Where is a decode canary built? In the backend's module: ``vllm.py``, ``sglang.py``,
+``trtllm.py`` or ``openai.py``, method ``body``.
+"""
+
+from __future__ import annotations
+
+from sidecar.canary.base import CanaryPlan, CanaryRequest, Prober, Role
+from sidecar.canary.openai import OpenAIProber
+from sidecar.canary.sglang import SglangProber
+from sidecar.canary.trtllm import TrtllmProber
+from sidecar.canary.vllm import VllmProber
+from sidecar.config import GENERATE, Backend, Settings
+
+__all__ = ["CanaryPlan", "CanaryRequest", "Prober", "Role", "plan_canary", "prober_for"]
+
+
+def prober_for(settings: Settings) -> Prober:
+    match settings.backend:
+        case Backend.VLLM:
+            return VllmProber()
+        case Backend.SGLANG:
+            return SglangProber(settings.sglang_bootstrap_port)
+        case Backend.TRTLLM:
+            return TrtllmProber()
+        case Backend.OPENAI:
+            return OpenAIProber()
+
+
+def plan_canary(settings: Settings, endpoint: str = GENERATE) -> CanaryPlan:
+    """Decide whether the endpoint gets a canary, why, and with which request."""
+    prober = prober_for(settings)
+    role = Role(settings.disaggregation_mode, settings.model_type)
+    path = settings.canary_path or prober.generation_path
+    override = settings.health_check_payload
+
+    def plan(enabled: bool, why: str) -> CanaryPlan:
+        return CanaryPlan(endpoint, enabled, why, prober, role, path, override)
+
+    if not settings.health_check_enabled:
+        return plan(
+            False,
+            "canaries are off (DYN_HEALTH_CHECK_ENABLED=false); readiness follows registration",
+        )
+    if override is not None:
+        return plan(True, "DYN_HEALTH_CHECK_PAYLOAD replaces the built-in body")
+    skip = prober.skip_reason(role)
+    if skip is not None:
+        return plan(False, skip)
+    return plan(True, prober.why(role))

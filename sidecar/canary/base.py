@@ -1,0 +1,141 @@
+"""What every backend's canary has in common: the request, the plan, and body checks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from sidecar.config import Backend, Mode, ModelType
+
+# Eight ordinary token ids: valid in every real vocabulary, and shorter than one KV block
+# (16 tokens in vLLM and SGLang by default), so a prefill never pins a full block.
+PROMPT_TOKEN_IDS: tuple[int, ...] = (100, 101, 102, 103, 104, 105, 106, 107)
+
+
+@dataclass(frozen=True)
+class CanaryRequest:
+    """One canary, exactly as it goes on the wire."""
+
+    method: str
+    path: str
+    body: dict[str, Any]
+    request_id: str
+    # Tokens the engine must report generating; None when the body is a user override.
+    expected_tokens: int | None
+
+
+@dataclass(frozen=True)
+class Role:
+    mode: Mode
+    model_type: ModelType
+
+
+class Prober:
+    """One backend's canary: where it goes, what it carries per role, and what a good answer is.
+
+    Subclasses live one per module (vllm.py, sglang.py, trtllm.py, openai.py); a newcomer finds a
+    backend's decode canary in its ``body`` method.
+    """
+
+    backend: ClassVar[Backend]
+    generation_path: ClassVar[str]
+    # The engine's cheapest "up and model loaded" route.
+    registration_path: ClassVar[str]
+    # Whether the body names the served model (then it is discovered from GET /v1/models).
+    needs_model: ClassVar[bool] = True
+
+    def skip_reason(self, role: Role) -> str | None:
+        """Why this role gets no built-in canary, or None when it gets one."""
+        if role.mode is Mode.ENCODE:
+            return (
+                "encode workers have no safe generation probe; readiness follows registration "
+                "(set DYN_HEALTH_CHECK_PAYLOAD to give them a canary)"
+            )
+        return None
+
+    def why(self, role: Role) -> str:
+        """One sentence on why the built-in body is right for this role."""
+        raise NotImplementedError
+
+    def body(self, role: Role, model: str | None, request_id: str) -> tuple[dict[str, Any], int]:
+        """The built-in canary body for this role and the number of tokens it must generate."""
+        raise NotImplementedError
+
+    def problem(self, answer: Any, expected_tokens: int | None) -> str | None:
+        """What is wrong with a 200 answer's parsed JSON body, or None when it is well formed."""
+        return completion_problem(answer, expected_tokens)
+
+
+@dataclass(frozen=True)
+class CanaryPlan:
+    """What --check-config prints and the monitor follows for one endpoint."""
+
+    endpoint: str
+    enabled: bool
+    why: str
+    prober: Prober
+    role: Role
+    path: str
+    override: dict[str, Any] | None = field(default=None)
+
+    def request(self, model: str | None, request_id: str) -> CanaryRequest:
+        if self.override is not None:
+            return CanaryRequest("POST", self.path, dict(self.override), request_id, None)
+        body, tokens = self.prober.body(self.role, model, request_id)
+        return CanaryRequest("POST", self.path, body, request_id, tokens)
+
+    def problem(self, answer: Any, expected_tokens: int | None) -> str | None:
+        if self.override is not None:
+            return generic_problem(answer)
+        return self.prober.problem(answer, expected_tokens)
+
+
+def _error_text(answer: dict[str, Any]) -> str | None:
+    error = answer.get("error")
+    if error is None or error == {}:
+        return None
+    if isinstance(error, dict):
+        return str(error.get("message") or error)
+    return str(error)
+
+
+def completion_problem(
+    answer: Any, expected_tokens: int | None, *, exact: bool = True
+) -> str | None:
+    """Check an OpenAI-style completion: a choice with a finish reason and, when reported, the
+    number of generated tokens (exactly ``expected_tokens`` when ``exact``, else at most)."""
+    if not isinstance(answer, dict):
+        return "body is not a JSON object"
+    if (err := _error_text(answer)) is not None:
+        return f"engine error in body: {err}"
+    choices = answer.get("choices")
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        return "no choices in body"
+    finish = choices[0].get("finish_reason")
+    if not isinstance(finish, str) or not finish:
+        return "no finish_reason in first choice"
+    if exact and finish != "length":
+        return f"finish_reason {finish!r}, expected 'length'"
+    usage = answer.get("usage")
+    if expected_tokens is not None and isinstance(usage, dict) and "completion_tokens" in usage:
+        got = usage["completion_tokens"]
+        if not isinstance(got, int) or got < 0:
+            return f"usage.completion_tokens {got!r} is not a count"
+        if (exact and got != expected_tokens) or got > expected_tokens:
+            return f"usage.completion_tokens {got}, expected {expected_tokens}"
+    return None
+
+
+def generic_problem(answer: Any) -> str | None:
+    """Shape check for a user-supplied payload's answer: JSON, no error, and a finish reason
+    wherever the engine's answer shape has one."""
+    if not isinstance(answer, dict):
+        return "body is not a JSON object"
+    if (err := _error_text(answer)) is not None:
+        return f"engine error in body: {err}"
+    if "choices" in answer:
+        return completion_problem(answer, None, exact=False)
+    meta = answer.get("meta_info")
+    if isinstance(meta, dict) and not meta.get("finish_reason"):
+        return "no meta_info.finish_reason in body"
+    return None

@@ -1,0 +1,35 @@
+"""Any other OpenAI-compatible server (llama.cpp's llama-server, ...): a plain completion.
+
+The body keeps to fields every OpenAI-compatible server accepts: a short string prompt and
+max_tokens 1. Without ignore_eos the engine may stop early, so the check asks for a finish
+reason and at most one generated token.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from sidecar.canary.base import Prober, Role, completion_problem
+from sidecar.config import Backend
+
+
+class OpenAIProber(Prober):
+    backend: ClassVar[Backend] = Backend.OPENAI
+    generation_path: ClassVar[str] = "/v1/completions"
+    registration_path: ClassVar[str] = "/health"
+
+    def why(self, role: Role) -> str:
+        return "plain 1-token greedy completion (generic OpenAI-compatible server)"
+
+    def body(self, role: Role, model: str | None, request_id: str) -> tuple[dict[str, Any], int]:
+        tokens = 1
+        return {
+            "model": model,
+            "prompt": "Say OK.",
+            "max_tokens": tokens,
+            "temperature": 0,
+            "stream": False,
+        }, tokens
+
+    def problem(self, answer: Any, expected_tokens: int | None) -> str | None:
+        return completion_problem(answer, expected_tokens, exact=False)

@@ -1,0 +1,76 @@
+"""SGLang: POST /generate with input_ids; prefill and decode add fake-transfer bootstrap fields.
+
+An SGLang prefill or decode server rejects a request without a bootstrap room ("Disaggregated
+request received without bootstrap room id", HTTP 400). ``bootstrap_host`` "2.2.2.2" is SGLang's
+FAKE_BOOTSTRAP_HOST: the request runs with a fake KV sender/receiver, needs no peer and never
+touches the bootstrap server. The room is fresh per canary, so probes spread over DP ranks.
+Decode asks for 2 tokens: its first token comes from a prebuilt batch that runs no forward pass.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any, ClassVar
+
+from sidecar.canary.base import PROMPT_TOKEN_IDS, Prober, Role
+from sidecar.config import Backend, Mode
+
+FAKE_BOOTSTRAP_HOST = "2.2.2.2"
+
+
+def bootstrap_room(request_id: str) -> int:
+    """A room derived from the canary's id: random per canary, reproducible from the logs."""
+    return uuid.uuid5(uuid.NAMESPACE_URL, request_id).int % (1 << 63)
+
+
+class SglangProber(Prober):
+    backend: ClassVar[Backend] = Backend.SGLANG
+    generation_path: ClassVar[str] = "/generate"
+    # SGLang's /health runs a generation in current versions; /v1/models is answered by the
+    # tokenizer manager once the model is loaded, at no cost to the scheduler.
+    registration_path: ClassVar[str] = "/v1/models"
+    needs_model: ClassVar[bool] = False
+
+    def __init__(self, bootstrap_port: int = 8998) -> None:
+        self.bootstrap_port = bootstrap_port
+
+    def why(self, role: Role) -> str:
+        if role.mode in (Mode.PREFILL, Mode.DECODE):
+            return (
+                f"{role.mode} worker: bootstrap_host {FAKE_BOOTSTRAP_HOST} selects SGLang's fake "
+                "KV transfer, so the probe runs without a peer"
+            )
+        return "plain 1-token greedy generation"
+
+    def body(self, role: Role, model: str | None, request_id: str) -> tuple[dict[str, Any], int]:
+        tokens = 2 if role.mode is Mode.DECODE else 1
+        body: dict[str, Any] = {
+            "input_ids": list(PROMPT_TOKEN_IDS),
+            "sampling_params": {"max_new_tokens": tokens, "temperature": 0, "ignore_eos": True},
+            "rid": request_id,
+            "stream": False,
+        }
+        if role.mode in (Mode.PREFILL, Mode.DECODE):
+            body["bootstrap_host"] = FAKE_BOOTSTRAP_HOST
+            body["bootstrap_port"] = self.bootstrap_port
+            body["bootstrap_room"] = bootstrap_room(request_id)
+        return body, tokens
+
+    def problem(self, answer: Any, expected_tokens: int | None) -> str | None:
+        if not isinstance(answer, dict):
+            return "body is not a JSON object"
+        if answer.get("error"):
+            return f"engine error in body: {answer['error']}"
+        meta = answer.get("meta_info")
+        if not isinstance(meta, dict):
+            return "no meta_info in body"
+        finish = meta.get("finish_reason")
+        kind = finish.get("type") if isinstance(finish, dict) else None
+        if not kind:
+            return "no meta_info.finish_reason.type in body"
+        if kind != "length":
+            return f"finish_reason {kind!r}, expected 'length'"
+        got = meta.get("completion_tokens")
+        if expected_tokens is not None and got is not None and got != expected_tokens:
+            return f"meta_info.completion_tokens {got!r}, expected {expected_tokens}"
+        return None

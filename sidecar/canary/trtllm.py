@@ -1,0 +1,45 @@
+"""TensorRT-LLM: POST /v1/completions; prefill and decode add
+``"disaggregated_params": {"request_type": "context_and_generation"}``.
+
+A Dynamo TensorRT-LLM decode worker given a request without it answers "Disaggregated params are
+required for decode mode" (Dynamo DIS-1737: the canary crash loop). ``context_and_generation``
+makes the worker run the probe as a local prefill plus decode: no peer, no KV transfer, nothing
+pinned. Never forge ``generation_only`` params: newer builds reject unsigned ones.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from sidecar.canary.base import PROMPT_TOKEN_IDS, Prober, Role
+from sidecar.config import Backend, Mode
+
+LOCAL_PREFILL_AND_DECODE = {"request_type": "context_and_generation"}
+
+
+class TrtllmProber(Prober):
+    backend: ClassVar[Backend] = Backend.TRTLLM
+    generation_path: ClassVar[str] = "/v1/completions"
+    registration_path: ClassVar[str] = "/health"
+
+    def why(self, role: Role) -> str:
+        if role.mode in (Mode.PREFILL, Mode.DECODE):
+            return (
+                f"{role.mode} worker: disaggregated_params request_type context_and_generation "
+                "runs the probe as a local prefill plus decode (no peer, no KV transfer)"
+            )
+        return "plain 1-token greedy completion"
+
+    def body(self, role: Role, model: str | None, request_id: str) -> tuple[dict[str, Any], int]:
+        tokens = 1
+        body: dict[str, Any] = {
+            "model": model,
+            "prompt": list(PROMPT_TOKEN_IDS),
+            "max_tokens": tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": False,
+        }
+        if role.mode in (Mode.PREFILL, Mode.DECODE):
+            body["disaggregated_params"] = dict(LOCAL_PREFILL_AND_DECODE)
+        return body, tokens

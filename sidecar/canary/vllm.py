@@ -1,0 +1,50 @@
+"""vLLM: POST /v1/completions with token ids, the same plain body for every text role.
+
+A vLLM decode instance given a request without ``kv_transfer_params`` prefills locally and
+decodes like an aggregated server, so a plain body checks its GPU and scheduler. Never send
+``kv_transfer_params`` with made-up values: ``do_remote_prefill`` without real block ids trips
+an engine-core assertion. The prompt is shorter than one KV block, so a prefill instance pins
+nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from sidecar.canary.base import PROMPT_TOKEN_IDS, Prober, Role
+from sidecar.config import Backend, Mode, ModelType
+
+
+class VllmProber(Prober):
+    backend: ClassVar[Backend] = Backend.VLLM
+    generation_path: ClassVar[str] = "/v1/completions"
+    registration_path: ClassVar[str] = "/health"
+
+    def skip_reason(self, role: Role) -> str | None:
+        if role.mode is Mode.DECODE and role.model_type is ModelType.MULTIMODAL:
+            return (
+                "a vLLM multimodal decode worker needs embedding_params from an encoder; no safe "
+                "probe exists, so readiness follows registration"
+            )
+        return super().skip_reason(role)
+
+    def why(self, role: Role) -> str:
+        if role.mode is Mode.DECODE:
+            return (
+                "plain local request: vLLM decode runs a request without kv_transfer_params locally"
+            )
+        if role.mode is Mode.PREFILL:
+            return "plain local request, prompt shorter than one KV block: nothing stays pinned"
+        return "plain 1-token greedy completion"
+
+    def body(self, role: Role, model: str | None, request_id: str) -> tuple[dict[str, Any], int]:
+        tokens = 1
+        return {
+            "model": model,
+            "prompt": list(PROMPT_TOKEN_IDS),
+            "max_tokens": tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": False,
+            "request_id": request_id,
+        }, tokens

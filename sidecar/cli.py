@@ -1,0 +1,64 @@
+"""Command line: ``health-sidecar`` serves; ``--check-config`` validates and prints the plan.
+
+Configuration errors print one line per bad variable on stderr and exit 2, with no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from sidecar import __version__
+from sidecar.config import ConfigError, Settings, load_settings
+
+EXIT_CONFIG = 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="health-sidecar",
+        description="Role-aware canary health checks for one LLM inference worker. "
+        "Configured by environment variables (see README).",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    parser.add_argument(
+        "--env-file",
+        metavar="PATH",
+        help="read variables from this env file too (the environment wins over it)",
+    )
+    parser.add_argument(
+        "--check-config",
+        action="store_true",
+        help="validate the configuration, print the effective plan, and exit",
+    )
+    return parser
+
+
+def _configure_logging(settings: Settings) -> None:
+    logging.basicConfig(
+        level=settings.log_level.value,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    logging.getLogger("httpcore").setLevel(logging.WARNING)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        settings = load_settings(args.env_file)
+    except ConfigError as exc:
+        for line in exc.lines:
+            print(f"health-sidecar: configuration error: {line}", file=sys.stderr)
+        return EXIT_CONFIG
+    if args.check_config:
+        from sidecar.plan import render
+
+        print(render(settings))
+        return 0
+    _configure_logging(settings)
+    from sidecar.server import run
+
+    return run(settings)

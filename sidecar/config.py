@@ -1,0 +1,415 @@
+"""Configuration: read once from the environment, validated loudly.
+
+Every variable is a field of :class:`Settings`; its ``description`` is the README's text and its
+``expected`` note is what a user sees when the value is malformed. :func:`load_settings` is the
+only entry point: it returns valid settings or raises :class:`ConfigError`, whose lines each
+name one variable, the value it had and what was expected. Nothing falls back silently.
+"""
+
+from __future__ import annotations
+
+import json
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated, Any
+from urllib.parse import urlsplit
+
+from pydantic import Field, SecretStr, ValidationError, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+# The endpoints the sidecar monitors. Dynamo names the generation endpoint "generate"; it is the
+# only one a canary can prove, so it is the only one a user may list.
+GENERATE = "generate"
+MONITORED_ENDPOINTS: tuple[str, ...] = (GENERATE,)
+
+MAX_SECONDS = 86_400.0
+MAX_VALUE_SHOWN = 80
+
+
+class Backend(StrEnum):
+    VLLM = "vllm"
+    SGLANG = "sglang"
+    TRTLLM = "trtllm"
+    OPENAI = "openai"
+
+
+class Mode(StrEnum):
+    AGGREGATED = "aggregated"
+    PREFILL = "prefill"
+    DECODE = "decode"
+    ENCODE = "encode"
+
+
+MODE_ALIASES = {"agg": Mode.AGGREGATED, "prefill_and_decode": Mode.AGGREGATED}
+
+
+class ModelType(StrEnum):
+    TEXT = "text"
+    MULTIMODAL = "multimodal"
+
+
+class StartingStatus(StrEnum):
+    READY = "ready"
+    NOTREADY = "notready"
+
+
+class LogLevel(StrEnum):
+    DEBUG = "DEBUG"
+    INFO = "INFO"
+    WARNING = "WARNING"
+    ERROR = "ERROR"
+
+
+def _seconds(name: str, default: float, description: str) -> Any:
+    return Field(
+        default,
+        validation_alias=name,
+        gt=0,
+        le=MAX_SECONDS,
+        allow_inf_nan=False,
+        description=description,
+        json_schema_extra={"expected": f"a number of seconds > 0 and <= {MAX_SECONDS:g}"},
+    )
+
+
+def _env(name: str, default: Any, description: str, expected: str, **kw: Any) -> Any:
+    return Field(
+        default,
+        validation_alias=name,
+        description=description,
+        json_schema_extra={"expected": expected},
+        **kw,
+    )
+
+
+class Settings(BaseSettings):
+    """The sidecar's whole configuration. Field aliases are the environment variable names."""
+
+    model_config = SettingsConfigDict(
+        case_sensitive=True,
+        env_ignore_empty=True,
+        extra="ignore",
+        populate_by_name=False,
+        frozen=True,
+    )
+
+    # --- Dynamo-compatible names -------------------------------------------------------------
+    health_check_enabled: bool = _env(
+        "DYN_HEALTH_CHECK_ENABLED",
+        False,
+        "Send canaries. When true, the canary is the sole authority on the readiness of an "
+        "endpoint that has one.",
+        "true or false",
+    )
+    use_endpoint_health_status: Annotated[tuple[str, ...], NoDecode] = _env(
+        "DYN_SYSTEM_USE_ENDPOINT_HEALTH_STATUS",
+        (),
+        'JSON list of endpoint names, e.g. ["generate"]. When non-empty, the worker is ready iff '
+        "every listed endpoint is ready.",
+        f"a JSON list of endpoint names from {json.dumps(list(MONITORED_ENDPOINTS))}",
+    )
+    starting_health_status: StartingStatus = _env(
+        "DYN_SYSTEM_STARTING_HEALTH_STATUS",
+        StartingStatus.NOTREADY,
+        "What an endpoint reports before its first verdict.",
+        "ready or notready",
+    )
+    canary_wait_time: float = _seconds(
+        "DYN_CANARY_WAIT_TIME",
+        10.0,
+        "Seconds an endpoint may go without a proof of health before a canary is sent.",
+    )
+    request_timeout: float = _seconds(
+        "DYN_HEALTH_CHECK_REQUEST_TIMEOUT",
+        3.0,
+        "Seconds a canary (the whole response) and a registration check may take.",
+    )
+    health_check_payload: Annotated[dict[str, Any] | None, NoDecode] = _env(
+        "DYN_HEALTH_CHECK_PAYLOAD",
+        None,
+        "A JSON object, or @path of a JSON file, sent verbatim as the canary body instead of the "
+        "built-in one. Gives any role a canary, encode workers included.",
+        "a JSON object, or @ followed by the path of a file holding one",
+    )
+    system_host: str = _env(
+        "DYN_SYSTEM_HOST",
+        "0.0.0.0",
+        "Address the sidecar's HTTP server binds.",
+        "an IP address or host name",
+        min_length=1,
+    )
+    system_port: int = _env(
+        "DYN_SYSTEM_PORT",
+        9090,
+        "Port the sidecar's HTTP server binds.",
+        "an integer port from 1 to 65535",
+        ge=1,
+        le=65535,
+    )
+    health_path: str = _env(
+        "DYN_SYSTEM_HEALTH_PATH",
+        "/health",
+        "Readiness route.",
+        "a URL path starting with /",
+    )
+    live_path: str = _env(
+        "DYN_SYSTEM_LIVE_PATH",
+        "/live",
+        "Liveness route.",
+        "a URL path starting with /",
+    )
+
+    # --- The sidecar's own ---------------------------------------------------------------------
+    engine_url: str = _env(
+        "SIDECAR_ENGINE_URL",
+        "http://127.0.0.1:8000",
+        "Base URL of the local engine. Every request the sidecar makes goes here.",
+        "an http:// or https:// URL with a host and no query",
+    )
+    backend: Backend = _env(
+        "SIDECAR_BACKEND",
+        Backend.VLLM,
+        "Engine API: vllm, sglang, trtllm, or openai (any other OpenAI-compatible server, such "
+        "as llama.cpp's llama-server).",
+        "one of vllm, sglang, trtllm, openai",
+    )
+    disaggregation_mode: Mode = _env(
+        "SIDECAR_DISAGGREGATION_MODE",
+        Mode.AGGREGATED,
+        "The worker's role: aggregated (aliases agg, prefill_and_decode), prefill, decode or "
+        "encode.",
+        "one of aggregated, agg, prefill_and_decode, prefill, decode, encode",
+    )
+    model_type: ModelType = _env(
+        "SIDECAR_MODEL_TYPE", ModelType.TEXT, "text or multimodal.", "text or multimodal"
+    )
+    model: str | None = _env(
+        "SIDECAR_MODEL",
+        None,
+        "Served model name put in canaries. Unset: discovered from GET /v1/models (vllm, trtllm, "
+        "openai).",
+        "a model name",
+    )
+    engine_api_key: SecretStr | None = _env(
+        "SIDECAR_ENGINE_API_KEY",
+        None,
+        "Sent to the engine as a bearer token. Never logged or served.",
+        "a token",
+    )
+    failure_threshold: int = _env(
+        "SIDECAR_FAILURE_THRESHOLD",
+        2,
+        "Consecutive failed canaries that turn a ready endpoint notready.",
+        "an integer from 1 to 100",
+        ge=1,
+        le=100,
+    )
+    success_threshold: int = _env(
+        "SIDECAR_SUCCESS_THRESHOLD",
+        1,
+        "Consecutive passed canaries that turn a notready endpoint ready.",
+        "an integer from 1 to 100",
+        ge=1,
+        le=100,
+    )
+    retry_interval: float = _seconds(
+        "SIDECAR_CANARY_RETRY_INTERVAL",
+        1.0,
+        "Seconds between canary starts while an endpoint is not proven healthy "
+        "(never overlapping: the next starts after the previous has ended).",
+    )
+    liveness_window: float = _seconds(
+        "SIDECAR_LIVENESS_WINDOW",
+        120.0,
+        "Seconds of uninterrupted hard failure (the engine accepts connections but "
+        "hangs, or answers 5xx) after which /live fails.",
+    )
+    registration_interval: float = _seconds(
+        "SIDECAR_REGISTRATION_INTERVAL",
+        1.0,
+        "Seconds between checks of the engine's own health route.",
+    )
+    registration_path: str | None = _env(
+        "SIDECAR_REGISTRATION_PATH",
+        None,
+        "The engine route that answers 200 once it is up with its model loaded. Unset: /health "
+        "(vllm, trtllm, openai) or /v1/models (sglang, whose /health runs a generation).",
+        "a URL path starting with /",
+    )
+    canary_path: str | None = _env(
+        "SIDECAR_CANARY_PATH",
+        None,
+        "Engine route the canary is POSTed to. Unset: the backend's generation route.",
+        "a URL path starting with /",
+    )
+    sglang_bootstrap_port: int = _env(
+        "SIDECAR_SGLANG_BOOTSTRAP_PORT",
+        8998,
+        "bootstrap_port put in SGLang prefill/decode canaries (fake transfer; never contacted).",
+        "an integer port from 1 to 65535",
+        ge=1,
+        le=65535,
+    )
+    max_response_bytes: int = _env(
+        "SIDECAR_MAX_RESPONSE_BYTES",
+        1_048_576,
+        "Largest engine response body the sidecar reads; a larger one fails the canary.",
+        "an integer from 1024 to 67108864",
+        ge=1024,
+        le=64 * 1_048_576,
+    )
+    log_level: LogLevel = _env(
+        "SIDECAR_LOG_LEVEL",
+        LogLevel.INFO,
+        "DEBUG, INFO, WARNING or ERROR.",
+        "one of DEBUG, INFO, WARNING, ERROR",
+    )
+
+    # --- field parsing -------------------------------------------------------------------------
+    @field_validator("use_endpoint_health_status", mode="before")
+    @classmethod
+    def _parse_endpoint_list(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError:
+                raise ValueError("not valid JSON") from None
+        if not isinstance(value, list | tuple) or not all(isinstance(v, str) for v in value):
+            raise ValueError("not a list of strings")
+        unknown = [v for v in value if v not in MONITORED_ENDPOINTS]
+        if unknown:
+            raise ValueError(f"the sidecar does not monitor {', '.join(map(repr, unknown))}")
+        return tuple(dict.fromkeys(value))
+
+    @field_validator("health_check_payload", mode="before")
+    @classmethod
+    def _parse_payload(cls, value: Any) -> Any:
+        if value is None or isinstance(value, dict):
+            return value
+        if not isinstance(value, str):
+            raise ValueError("not a JSON object")
+        text = value
+        if value.startswith("@"):
+            path = Path(value[1:])
+            try:
+                text = path.read_text(encoding="utf-8")
+            except OSError as exc:
+                raise ValueError(f"cannot read {path}: {exc.strerror or exc}") from None
+        try:
+            parsed = json.loads(text)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise ValueError("not valid JSON") from None
+        if not isinstance(parsed, dict):
+            raise ValueError("JSON, but not an object")
+        return parsed
+
+    @field_validator("disaggregation_mode", mode="before")
+    @classmethod
+    def _mode_alias(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return MODE_ALIASES.get(value, value)
+        return value
+
+    @field_validator("health_path", "live_path", "registration_path", "canary_path")
+    @classmethod
+    def _path(cls, value: str | None) -> str | None:
+        if value is not None and (
+            not value.startswith("/") or any(c in value for c in "?# \t\r\n") or "//" in value
+        ):
+            raise ValueError("not a URL path")
+        return value
+
+    @field_validator("engine_url")
+    @classmethod
+    def _url(cls, value: str) -> str:
+        try:
+            parts = urlsplit(value)
+            port = parts.port
+        except ValueError:
+            raise ValueError("not a URL") from None
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError("not an http(s) URL with a host")
+        if parts.query or parts.fragment or parts.username or parts.password:
+            raise ValueError("has a query, fragment or credentials")
+        if port == 0:
+            raise ValueError("port 0")
+        return value.rstrip("/")
+
+    @field_validator("model")
+    @classmethod
+    def _model(cls, value: str | None) -> str | None:
+        if value is not None and not value.strip():
+            raise ValueError("blank")
+        return value
+
+
+class ConfigError(Exception):
+    """Invalid configuration. Each line names one variable, its value, and what was expected."""
+
+    def __init__(self, lines: list[str]) -> None:
+        super().__init__("\n".join(lines))
+        self.lines = lines
+
+
+def env_name(field: str) -> str:
+    alias = Settings.model_fields[field].validation_alias
+    assert isinstance(alias, str)
+    return alias
+
+
+def expected(field: str) -> str:
+    extra = Settings.model_fields[field].json_schema_extra
+    assert isinstance(extra, dict)
+    return str(extra["expected"])
+
+
+def _shown(field: str, value: Any) -> str:
+    if field == "engine_api_key":
+        return "<hidden>"
+    text = value if isinstance(value, str) else json.dumps(value, default=str)
+    if len(text) > MAX_VALUE_SHOWN:
+        text = text[: MAX_VALUE_SHOWN - 3] + "..."
+    return repr(text)
+
+
+def _error_lines(exc: ValidationError) -> list[str]:
+    by_alias = {env_name(name): name for name in Settings.model_fields}
+    lines = []
+    for err in exc.errors(include_url=False):
+        key = str(err["loc"][0]) if err["loc"] else ""
+        field = by_alias.get(key, key)
+        name = env_name(field) if field in Settings.model_fields else key
+        detail = err["msg"].removeprefix("Value error, ")
+        want = expected(field) if field in Settings.model_fields else "a valid value"
+        lines.append(f"{name}={_shown(field, err['input'])}: expected {want} ({detail})")
+    return lines
+
+
+def _cross_checks(s: Settings) -> list[str]:
+    lines = []
+    routes = {"/metrics": "the metrics route"}
+    for field in ("health_path", "live_path"):
+        path = getattr(s, field)
+        if path in routes:
+            lines.append(
+                f"{env_name(field)}={path!r}: expected a path not already used by {routes[path]}"
+            )
+        routes[path] = env_name(field)
+    return lines
+
+
+def load_settings(env_file: str | None = None) -> Settings:
+    """Read and validate the configuration from the environment (and an optional env file)."""
+    kwargs: dict[str, Any] = {}
+    if env_file is not None:
+        if not Path(env_file).is_file():
+            raise ConfigError([f"--env-file={env_file!r}: expected an existing file"])
+        kwargs["_env_file"] = env_file
+    try:
+        settings = Settings(**kwargs)
+    except ValidationError as exc:
+        raise ConfigError(_error_lines(exc)) from None
+    errors = _cross_checks(settings)
+    if errors:
+        raise ConfigError(errors)
+    return settings

@@ -1,0 +1,212 @@
+"""The engine client: the only code that talks to the engine, and only to SIDECAR_ENGINE_URL.
+
+Every call has a deadline over the whole exchange (connect, headers and the complete body), not
+just the first byte, and reads at most SIDECAR_MAX_RESPONSE_BYTES. Every failure comes back as a
+result with a precise reason; nothing here raises to the caller.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from sidecar import __version__
+from sidecar.canary import CanaryPlan, CanaryRequest
+from sidecar.rules import CanaryResult, Outcome, Probe, RegistrationResult
+
+USER_AGENT = f"health-sidecar/{__version__}"
+ERROR_TEXT_CHARS = 200
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class Answer:
+    status: int
+    content_type: str
+    body: bytes
+    location: str | None
+
+
+def _error_text(body: bytes) -> str:
+    """The engine's error message from a JSON error body, or the start of the text."""
+    text = body.decode("utf-8", "replace").strip()
+    try:
+        parsed = json.loads(text)
+    except ValueError:
+        parsed = None
+    if isinstance(parsed, dict):
+        err = parsed.get("error", parsed.get("detail", parsed.get("message")))
+        if isinstance(err, dict):
+            err = err.get("message", err)
+        if err is not None:
+            text = err if isinstance(err, str) else json.dumps(err)
+    text = " ".join(text.split())
+    return text[:ERROR_TEXT_CHARS] + ("..." if len(text) > ERROR_TEXT_CHARS else "")
+
+
+def _describe_transport_error(exc: httpx.TransportError) -> tuple[str, str]:
+    """(kind, reason) for a transport failure; kind is 'refused' or 'error'."""
+    if isinstance(exc, httpx.ConnectError):
+        return "refused", f"cannot connect: {exc or type(exc).__name__}"
+    if isinstance(exc, httpx.RemoteProtocolError):
+        return "error", f"connection broke mid-answer: {exc or type(exc).__name__}"
+    return "error", f"{type(exc).__name__}: {exc or 'transport error'}"
+
+
+class EngineClient:
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        timeout: float,
+        max_bytes: int,
+        api_key: str | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        headers = {"User-Agent": USER_AGENT}
+        if api_key:
+            headers["Authorization"] = f"Bearer {api_key}"
+        self.timeout = timeout
+        self.max_bytes = max_bytes
+        self.clock = clock
+        self._http = httpx.AsyncClient(
+            base_url=base_url,
+            headers=headers,
+            timeout=httpx.Timeout(timeout),
+            follow_redirects=False,
+            trust_env=False,  # no proxies from the environment: requests go to the engine only
+            limits=httpx.Limits(max_connections=4, max_keepalive_connections=2),
+        )
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def _exchange(
+        self,
+        method: str,
+        path: str,
+        *,
+        json_body: Any = None,
+        headers: dict[str, str] | None = None,
+    ) -> Answer:
+        """One request with a deadline over the whole answer. Raises TimeoutError, BodyTooLarge or
+        httpx.TransportError."""
+        async with asyncio.timeout(self.timeout):
+            request = self._http.build_request(method, path, json=json_body, headers=headers)
+            response = await self._http.send(request, stream=True)
+            try:
+                declared = response.headers.get("content-length")
+                if declared and declared.isdigit() and int(declared) > self.max_bytes:
+                    raise BodyTooLarge(f"Content-Length {declared}")
+                chunks: list[bytes] = []
+                size = 0
+                async for chunk in response.aiter_raw():
+                    size += len(chunk)
+                    if size > self.max_bytes:
+                        raise BodyTooLarge(f"more than {self.max_bytes} bytes")
+                    chunks.append(chunk)
+            finally:
+                await response.aclose()
+        return Answer(
+            response.status_code,
+            response.headers.get("content-type", ""),
+            b"".join(chunks),
+            response.headers.get("location"),
+        )
+
+    async def canary(self, plan: CanaryPlan, request: CanaryRequest) -> CanaryResult:
+        started = self.clock()
+
+        def result(outcome: Outcome, reason: str, status: int | None = None) -> CanaryResult:
+            return CanaryResult(
+                outcome, reason, started, self.clock(), time.time(), request.request_id, status
+            )
+
+        try:
+            answer = await self._exchange(
+                request.method,
+                request.path,
+                json_body=request.body,
+                headers={"X-Request-Id": request.request_id},
+            )
+        except TimeoutError:
+            return result(Outcome.TIMEOUT, f"no complete answer within {self.timeout:g} s")
+        except BodyTooLarge as exc:
+            return result(Outcome.INVALID, f"answer too large ({exc})")
+        except httpx.TransportError as exc:
+            kind, reason = _describe_transport_error(exc)
+            return result(Outcome.REFUSED if kind == "refused" else Outcome.ERROR, reason)
+        status = answer.status
+        if 300 <= status < 400:
+            where = f" to {answer.location}" if answer.location else ""
+            return result(Outcome.ERROR, f"HTTP {status} redirect{where} (not followed)", status)
+        if status != 200:
+            return result(Outcome.ERROR, f"HTTP {status}: {_error_text(answer.body)}", status)
+        if "json" not in answer.content_type.lower():
+            shown = answer.content_type or "none"
+            return result(Outcome.INVALID, f"content-type {shown}, expected JSON", status)
+        try:
+            parsed = json.loads(answer.body)
+        except ValueError:
+            size = len(answer.body)
+            return result(Outcome.INVALID, f"body is not valid JSON ({size} bytes)", status)
+        problem = plan.problem(parsed, request.expected_tokens)
+        if problem is not None:
+            return result(Outcome.INVALID, problem, status)
+        return result(Outcome.SUCCESS, "complete, well-formed answer", status)
+
+    async def registration(self, path: str) -> RegistrationResult:
+        """Check the engine's own cheapest "up and model loaded" route."""
+        started = self.clock()
+
+        def result(probe: Probe, reason: str) -> RegistrationResult:
+            return RegistrationResult(probe, reason, started, self.clock())
+
+        try:
+            answer = await self._exchange("GET", path)
+        except TimeoutError:
+            return result(Probe.TIMEOUT, f"GET {path}: no answer within {self.timeout:g} s")
+        except BodyTooLarge as exc:
+            return result(Probe.ERROR, f"GET {path}: answer too large ({exc})")
+        except httpx.TransportError as exc:
+            kind, reason = _describe_transport_error(exc)
+            return result(
+                Probe.REFUSED if kind == "refused" else Probe.ERROR, f"GET {path}: {reason}"
+            )
+        if answer.status == 200:
+            return result(Probe.OK, f"GET {path} -> 200")
+        text = _error_text(answer.body)
+        return result(
+            Probe.STATUS, f"GET {path} -> {answer.status}" + (f": {text}" if text else "")
+        )
+
+    async def served_model(self) -> tuple[str | None, str]:
+        """(model, reason): the first model GET /v1/models lists, or None and why not."""
+        path = "/v1/models"
+        try:
+            answer = await self._exchange("GET", path)
+        except TimeoutError:
+            return None, f"GET {path}: no answer within {self.timeout:g} s"
+        except BodyTooLarge as exc:
+            return None, f"GET {path}: answer too large ({exc})"
+        except httpx.TransportError as exc:
+            return None, f"GET {path}: {_describe_transport_error(exc)[1]}"
+        if answer.status != 200:
+            return None, f"GET {path} -> {answer.status}: {_error_text(answer.body)}"
+        try:
+            data = json.loads(answer.body).get("data")
+            model = data[0]["id"]
+        except (ValueError, AttributeError, LookupError, TypeError):
+            return None, f"GET {path}: no model id in the answer"
+        if not isinstance(model, str) or not model:
+            return None, f"GET {path}: no model id in the answer"
+        return model, f"GET {path} lists {model!r}"

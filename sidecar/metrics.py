@@ -1,0 +1,113 @@
+"""Prometheus metrics, in a registry of the sidecar's own.
+
+Counters and the latency histogram are updated as canaries finish. The verdict gauges
+(ready, live, endpoint_ready, ...) are computed from the current state at scrape time, so they
+are never stale, not even for liveness, which changes with time alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily
+from prometheus_client.registry import Collector
+
+from sidecar import __version__
+from sidecar.rules import CanaryResult, Outcome, endpoint_verdict
+from sidecar.state import Health, Listener
+
+PREFIX = "health_sidecar"
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class _VerdictCollector(Collector):
+    def __init__(self, health: Health) -> None:
+        self.health = health
+
+    def collect(self) -> Iterator[GaugeMetricFamily | InfoMetricFamily]:
+        health = self.health
+        settings = health.settings
+        yield InfoMetricFamily(
+            f"{PREFIX}_build",
+            "Version and configuration of the sidecar.",
+            value={
+                "version": __version__,
+                "backend": settings.backend.value,
+                "mode": settings.disaggregation_mode.value,
+                "canary": str(settings.health_check_enabled).lower(),
+            },
+        )
+        yield GaugeMetricFamily(
+            f"{PREFIX}_ready",
+            "1 if the worker is ready (/health 200).",
+            value=health.readiness().ready,
+        )
+        yield GaugeMetricFamily(
+            f"{PREFIX}_live", "1 if the worker is live (/live 200).", value=health.liveness().live
+        )
+        ready = GaugeMetricFamily(
+            f"{PREFIX}_endpoint_ready", "1 if the endpoint is ready.", labels=["endpoint"]
+        )
+        registered = GaugeMetricFamily(
+            f"{PREFIX}_endpoint_registered",
+            "1 if the engine answers its own health route with 200.",
+            labels=["endpoint"],
+        )
+        failures = GaugeMetricFamily(
+            f"{PREFIX}_canary_consecutive_failures",
+            "Canaries failed in a row.",
+            labels=["endpoint"],
+        )
+        last_success = GaugeMetricFamily(
+            f"{PREFIX}_last_canary_success_timestamp_seconds",
+            "Unix time of the last passed canary (absent before the first).",
+            labels=["endpoint"],
+        )
+        for name, state in health.endpoints.items():
+            ready.add_metric([name], bool(endpoint_verdict(state).ready))
+            registered.add_metric([name], state.registered)
+            failures.add_metric([name], state.consecutive_failures)
+            if state.last_success_wall is not None:
+                last_success.add_metric([name], state.last_success_wall)
+        yield from (ready, registered, failures, last_success)
+
+
+class Metrics:
+    def __init__(self, health: Health) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.canaries = Counter(
+            f"{PREFIX}_canary",
+            "Canaries by outcome (success, timeout, error, refused, invalid).",
+            ["endpoint", "outcome"],
+            registry=self.registry,
+        )
+        self.latency = Histogram(
+            f"{PREFIX}_canary_duration_seconds",
+            "Time from sending a canary to its complete answer (or to the timeout).",
+            ["endpoint"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.transitions = Counter(
+            f"{PREFIX}_endpoint_transitions",
+            "Changes of an endpoint's verdict, by the verdict it changed to.",
+            ["endpoint", "to"],
+            registry=self.registry,
+        )
+        for name in health.endpoints:
+            for outcome in Outcome:
+                self.canaries.labels(name, outcome.value)
+            self.latency.labels(name)
+        self.registry.register(_VerdictCollector(health))
+        health.listeners.append(Listener(self._on_canary, self._on_transition))
+
+    def _on_canary(self, endpoint: str, result: CanaryResult) -> None:
+        self.canaries.labels(endpoint, result.outcome.value).inc()
+        self.latency.labels(endpoint).observe(result.latency)
+
+    def _on_transition(self, endpoint: str, to: str) -> None:
+        self.transitions.labels(endpoint, to).inc()
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,92 @@
+"""The scheduler: per endpoint, a registration loop and a canary loop, owned by one TaskGroup.
+
+The registration loop checks the engine's own health route every SIDECAR_REGISTRATION_INTERVAL
+(and learns the served model when the canary needs it). The canary loop sends one canary when
+the state says one is due (``EndpointState.next_canary_due``), waits for its whole answer, records
+it, and only then looks at the next: never more than one canary in flight per endpoint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+
+from sidecar.canary import CanaryPlan
+from sidecar.engine import EngineClient
+from sidecar.rules import Probe, RegistrationResult
+from sidecar.state import Health
+
+log = logging.getLogger("sidecar.monitor")
+
+
+async def _wait(event: asyncio.Event, seconds: float | None) -> None:
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(seconds):
+            await event.wait()
+
+
+class Monitor:
+    def __init__(
+        self,
+        health: Health,
+        client: EngineClient,
+        registration_path: str,
+        registration_interval: float,
+    ) -> None:
+        self.health = health
+        self.client = client
+        self.registration_path = registration_path
+        self.registration_interval = registration_interval
+
+    async def run(self) -> None:
+        """Run until cancelled. An unexpected error in any loop propagates (and stops the rest)."""
+        async with asyncio.TaskGroup() as group:
+            for name, plan in self.health.plans.items():
+                group.create_task(self._registration_loop(name, plan), name=f"registration:{name}")
+                if plan.enabled:
+                    group.create_task(self._canary_loop(name, plan), name=f"canary:{name}")
+
+    def _needs_discovery(self, name: str, plan: CanaryPlan) -> bool:
+        return (
+            plan.enabled
+            and plan.override is None
+            and plan.prober.needs_model
+            and self.health.settings.model is None
+        )
+
+    async def _registration_loop(self, name: str, plan: CanaryPlan) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            started = loop.time()
+            result = await self.client.registration(self.registration_path)
+            if result.registered and self._needs_discovery(name, plan):
+                was_registered = self.health.endpoints[name].registered
+                if not was_registered or self.health.models[name] is None:
+                    model, why = await self.client.served_model()
+                    if model is None:
+                        result = RegistrationResult(
+                            Probe.STATUS, f"model not known: {why}", result.started, result.finished
+                        )
+                    self.health.set_model(name, model)
+            self.health.record_registration(name, result)
+            self.health.evaluate()
+            await asyncio.sleep(max(0.0, started + self.registration_interval - loop.time()))
+
+    async def _canary_loop(self, name: str, plan: CanaryPlan) -> None:
+        while True:
+            changed = self.health.changed()
+            state = self.health.endpoints[name]
+            due = state.next_canary_due
+            if due is None:
+                await _wait(changed, None)
+                continue
+            delay = due - self.health.clock()
+            if delay > 0:
+                await _wait(changed, delay)
+                continue
+            request = plan.request(self.health.models[name], f"canary-{uuid.uuid4()}")
+            log.debug("%s: sending canary %s", name, request.request_id)
+            result = await self.client.canary(plan, request)
+            self.health.record_canary(name, result, state.incarnation)

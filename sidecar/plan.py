@@ -1,0 +1,89 @@
+"""The effective plan that ``health-sidecar --check-config`` prints: what will be checked, how,
+and which rule will decide. Built from the same objects the running sidecar uses."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from sidecar.canary import CanaryPlan, plan_canary
+from sidecar.config import Settings
+from sidecar.rules import RULE_TEXT, Rule
+
+MODEL_PLACEHOLDER = "<served model, from GET /v1/models>"
+
+
+def _example_body(plan: CanaryPlan, settings: Settings) -> dict[str, Any]:
+    request = plan.request(settings.model or MODEL_PLACEHOLDER, "canary-<uuid>")
+    body = dict(request.body)
+    if "bootstrap_room" in body:
+        body["bootstrap_room"] = "<fresh per canary>"
+    return body
+
+
+def _passes_when(plan: CanaryPlan, settings: Settings) -> str:
+    whole = f"the whole answer arrives within {settings.request_timeout:g} s with HTTP 200 and JSON"
+    if plan.override is not None:
+        return whole + ", without an error, with a finish reason where the answer has one"
+    _, tokens = plan.prober.body(plan.role, settings.model, "x")
+    return (
+        whole + f", a finish reason and {tokens} generated token(s) where the engine reports them"
+    )
+
+
+def render(settings: Settings) -> str:
+    plan = plan_canary(settings)
+    registration = settings.registration_path or plan.prober.registration_path
+    s = settings
+    lines = [
+        "health-sidecar: configuration is valid",
+        "",
+        f"engine         {s.engine_url}  (backend {s.backend}, mode {s.disaggregation_mode}, "
+        f"model type {s.model_type})",
+        "engine auth    "
+        + ("bearer token from SIDECAR_ENGINE_API_KEY" if s.engine_api_key else "none"),
+        f"registration   GET {registration} every {s.registration_interval:g} s, timeout "
+        f"{s.request_timeout:g} s: registered while it answers 200",
+        "",
+        f"endpoint {plan.endpoint}",
+    ]
+    if plan.enabled:
+        if s.model:
+            model = f"{s.model} (SIDECAR_MODEL)"
+        elif plan.override is None and plan.prober.needs_model:
+            model = "discovered from GET /v1/models at each registration"
+        else:
+            model = "not needed"
+        lines += [
+            f"  canary       yes: {plan.why}",
+            f"  model        {model}",
+            f"  request      {'POST'} {plan.path}",
+            f"  body         {json.dumps(_example_body(plan, s))}",
+            "  headers      X-Request-Id: canary-<uuid>",
+            f"  passes when  {_passes_when(plan, s)}",
+            f"  schedule     once registered; then after {s.canary_wait_time:g} s without a passed "
+            f"canary; every {s.retry_interval:g} s while failing or unproven; one at a time",
+            f"  hysteresis   notready after {s.failure_threshold} consecutive failure(s); ready "
+            f"after {s.success_threshold} consecutive pass(es)",
+            "  ready when   registered and the canary's verdict is ready",
+        ]
+    else:
+        lines += [
+            f"  canary       no: {plan.why}",
+            f"  ready when   registered (GET {registration} answers 200)",
+        ]
+    listed = s.use_endpoint_health_status
+    rule = Rule.LISTED if listed else Rule.MONITORED
+    lines += [
+        "",
+        f"readiness      {RULE_TEXT[rule]}"
+        + (f" ({', '.join(listed)})" if listed else f" ({plan.endpoint})"),
+        f"               before an endpoint's first verdict: {s.starting_health_status} "
+        "(DYN_SYSTEM_STARTING_HEALTH_STATUS)",
+        f"liveness       fails after {s.liveness_window:g} s of uninterrupted hard failure (the "
+        "engine accepts connections but does not answer in time, or answers 5xx); never while "
+        "it starts, loads, is gone or answers 4xx",
+        f"serving        http://{s.system_host}:{s.system_port}  {s.health_path} (readiness)  "
+        f"{s.live_path} (liveness)  /metrics",
+    ]
+    return "\n".join(lines)

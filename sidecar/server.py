@@ -1,0 +1,131 @@
+"""Wiring and lifecycle: build the parts from settings, serve HTTP and run the monitor together.
+
+One asyncio task serves HTTP (uvicorn), one runs the monitor; both are owned here. SIGTERM or
+SIGINT stops the server gracefully and cancels the monitor; the engine client is closed last.
+A monitor that dies of an unexpected error stops the process with exit code 1 rather than
+serving a frozen verdict.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import uvicorn
+from fastapi import FastAPI
+
+from sidecar.app import create_app
+from sidecar.canary import CanaryPlan, plan_canary
+from sidecar.config import Settings
+from sidecar.engine import EngineClient
+from sidecar.metrics import Metrics
+from sidecar.monitor import Monitor
+from sidecar.state import Health
+
+log = logging.getLogger("sidecar")
+
+
+@dataclass(frozen=True)
+class Parts:
+    plan: CanaryPlan
+    health: Health
+    metrics: Metrics
+    app: FastAPI
+    registration_path: str
+
+
+def build(settings: Settings) -> Parts:
+    plan = plan_canary(settings)
+    health = Health(settings, [plan])
+    metrics = Metrics(health)
+    app = create_app(settings, health, metrics)
+    registration_path = settings.registration_path or plan.prober.registration_path
+    return Parts(plan, health, metrics, app, registration_path)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its own signal handling: this module owns SIGTERM and SIGINT."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+async def serve(settings: Settings) -> int:
+    parts = build(settings)
+    config = uvicorn.Config(
+        parts.app,
+        host=settings.system_host,
+        port=settings.system_port,
+        log_config=None,
+        access_log=False,
+        lifespan="off",
+        server_header=False,
+        timeout_graceful_shutdown=5,
+    )
+    server = _Server(config)
+    loop = asyncio.get_running_loop()
+
+    def stop(sig: signal.Signals) -> None:
+        log.info("received %s: shutting down", sig.name)
+        server.should_exit = True
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop, sig)
+
+    client = EngineClient(
+        settings.engine_url,
+        timeout=settings.request_timeout,
+        max_bytes=settings.max_response_bytes,
+        api_key=settings.engine_api_key.get_secret_value() if settings.engine_api_key else None,
+        clock=parts.health.clock,
+    )
+    monitor = Monitor(parts.health, client, parts.registration_path, settings.registration_interval)
+    log.info(
+        "health-sidecar serving http://%s:%d (%s, %s): engine %s, canary %s",
+        settings.system_host,
+        settings.system_port,
+        settings.health_path,
+        settings.live_path,
+        settings.engine_url,
+        "on: " + parts.plan.why if parts.plan.enabled else "off: " + parts.plan.why,
+    )
+
+    async def http() -> None:
+        with contextlib.suppress(SystemExit):  # uvicorn exits this way when it cannot bind
+            await server.serve()
+
+    monitor_task = asyncio.create_task(monitor.run(), name="monitor")
+    server_task = asyncio.create_task(http(), name="http")
+    code = 0
+    try:
+        done, _ = await asyncio.wait(
+            {monitor_task, server_task}, return_when=asyncio.FIRST_COMPLETED
+        )
+        if monitor_task in done:
+            log.critical("the monitor stopped unexpectedly", exc_info=monitor_task.exception())
+            server.should_exit = True
+            code = 1
+        await server_task
+    finally:
+        monitor_task.cancel()
+        await asyncio.gather(monitor_task, return_exceptions=True)
+        await client.aclose()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+    if not server.started:
+        return 1
+    return code
+
+
+def run(settings: Settings) -> int:
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop comes with uvicorn[standard]
+        return asyncio.run(serve(settings))
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(serve(settings))

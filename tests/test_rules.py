@@ -1,0 +1,195 @@
+"""The decision core as tables: readiness rule, canary hysteresis, registration, liveness."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from sidecar.config import StartingStatus
+from sidecar.rules import (
+    CanaryResult,
+    EndpointState,
+    Outcome,
+    Policy,
+    Probe,
+    RegistrationResult,
+    Rule,
+    Verdict,
+    decide_liveness,
+    decide_readiness,
+    endpoint_verdict,
+    on_canary,
+    on_registration,
+)
+
+READY, NOTREADY = StartingStatus.READY, StartingStatus.NOTREADY
+R, N, U = Verdict(True, "ok"), Verdict(False, "bad"), Verdict(None, "no verdict yet")
+
+
+@pytest.mark.parametrize(
+    ("verdicts", "listed", "starting", "ready", "rule"),
+    [
+        # no list: every monitored endpoint counts
+        ({"generate": R}, (), NOTREADY, True, Rule.MONITORED),
+        ({"generate": N}, (), NOTREADY, False, Rule.MONITORED),
+        ({"generate": R, "other": N}, (), NOTREADY, False, Rule.MONITORED),
+        # a list: only listed endpoints count
+        ({"generate": R, "other": N}, ("generate",), NOTREADY, True, Rule.LISTED),
+        ({"generate": N, "other": R}, ("generate",), NOTREADY, False, Rule.LISTED),
+        # before the first verdict, the starting status decides
+        ({"generate": U}, (), NOTREADY, False, Rule.STARTING),
+        ({"generate": U}, (), READY, True, Rule.STARTING),
+        ({"generate": U}, ("generate",), READY, True, Rule.STARTING),
+        # a known failure beats the starting status
+        ({"generate": U, "other": N}, (), READY, False, Rule.MONITORED),
+        # an endpoint not listed cannot hold the worker at its starting status
+        ({"generate": R, "other": U}, ("generate",), NOTREADY, True, Rule.LISTED),
+    ],
+)
+def test_readiness_rule(verdicts, listed, starting, ready, rule):
+    decision = decide_readiness(verdicts, listed, starting)
+    assert (decision.ready, decision.rule) == (ready, rule)
+
+
+def reg(probe: Probe, t: float = 0.0) -> RegistrationResult:
+    return RegistrationResult(probe, f"probe {probe}", t, t + 0.01)
+
+
+def canary(outcome: Outcome, t: float = 0.0, latency: float = 0.01, status: int | None = None):
+    return CanaryResult(outcome, f"{outcome}", t, t + latency, 1e9 + t, "canary-x", status)
+
+
+POLICY = Policy(failure_threshold=2, success_threshold=1, wait=10, retry=1, liveness_window=30)
+
+
+def registered(has_canary: bool = True) -> EndpointState:
+    return on_registration(EndpointState("generate", has_canary, "why"), reg(Probe.OK))
+
+
+def run(state: EndpointState, outcomes: list[Outcome], policy: Policy = POLICY) -> EndpointState:
+    for i, outcome in enumerate(outcomes):
+        status = 500 if outcome is Outcome.ERROR else None
+        state = on_canary(
+            state, canary(outcome, t=float(i), status=status), state.incarnation, policy
+        )
+    return state
+
+
+S, F = Outcome.SUCCESS, Outcome.TIMEOUT
+
+
+@pytest.mark.parametrize(
+    ("outcomes", "ready"),
+    [
+        ([], None),  # registered, no canary yet: no verdict
+        ([S], True),
+        ([F], False),  # starts notready; a failure keeps it there
+        ([S, F], True),  # one slow canary does not flap readiness
+        ([S, F, F], False),
+        ([S, F, S, F], True),  # failures must be consecutive
+        ([S, F, F, S], True),  # success threshold 1: one pass recovers
+    ],
+)
+def test_canary_hysteresis(outcomes, ready):
+    assert endpoint_verdict(run(registered(), outcomes)).ready is ready
+
+
+@pytest.mark.parametrize(
+    ("policy", "outcomes", "ready"),
+    [
+        (replace(POLICY, success_threshold=2), [S], False),
+        (replace(POLICY, success_threshold=2), [S, S], True),
+        (replace(POLICY, success_threshold=2), [S, S, F, F, S], False),
+        (replace(POLICY, failure_threshold=1), [S, F], False),
+        (replace(POLICY, failure_threshold=3), [S, F, F], True),
+    ],
+)
+def test_thresholds(policy, outcomes, ready):
+    assert endpoint_verdict(run(registered(), outcomes, policy)).ready is ready
+
+
+@pytest.mark.parametrize(
+    ("outcomes", "due"),
+    [
+        ([], 0.01),  # registered: the first canary goes at once
+        ([S], 0.01 + 10),  # proven: wait DYN_CANARY_WAIT_TIME after the pass
+        ([S, F], 1 + 1),  # after a failure: retry interval from the failed canary's start
+    ],
+)
+def test_next_canary_due(outcomes, due):
+    assert run(registered(), outcomes).next_canary_due == pytest.approx(due)
+
+
+def test_retry_never_overlaps_a_slow_canary():
+    state = on_canary(registered(), canary(F, t=5.0, latency=3.0), 1, POLICY)
+    assert state.next_canary_due == pytest.approx(8.0)  # ends at 8 > start + retry (6)
+
+
+def test_stale_canary_is_dropped_after_reregistration():
+    state = run(registered(), [S])
+    state = on_registration(state, reg(Probe.REFUSED, 20))
+    state = on_registration(state, reg(Probe.OK, 21))
+    assert state.incarnation == 2
+    stale = on_canary(state, canary(S, t=19.5), 1, POLICY)
+    assert stale is state
+    assert endpoint_verdict(state).ready is False  # the new incarnation must prove itself
+
+
+@pytest.mark.parametrize(
+    ("has_canary", "probes", "ready"),
+    [
+        (False, [], None),
+        (False, [Probe.OK], True),  # no canary: ready while registered
+        (False, [Probe.OK, Probe.STATUS], False),  # "Loading model" 503
+        (False, [Probe.OK, Probe.REFUSED, Probe.OK], True),  # restarted: never 503 forever
+        (True, [Probe.OK], None),  # canary endpoint: registration alone is no verdict
+        (True, [Probe.REFUSED], False),
+        (True, [Probe.TIMEOUT], False),  # frozen whole
+    ],
+)
+def test_registration(has_canary, probes, ready):
+    state = EndpointState("generate", has_canary, "why")
+    for i, probe in enumerate(probes):
+        state = on_registration(state, reg(probe, float(i)))
+    assert endpoint_verdict(state).ready is ready
+
+
+def live_after(events, now: float) -> bool:
+    state = registered()
+    for event in events:
+        if isinstance(event, RegistrationResult):
+            state = on_registration(state, event)
+        else:
+            state = on_canary(state, event, state.incarnation, POLICY)
+    return decide_liveness({"generate": state}, now, POLICY.liveness_window).live
+
+
+@pytest.mark.parametrize(
+    ("events", "now", "live"),
+    [
+        ([], 1000, True),
+        ([canary(S, 0)], 1000, True),
+        ([canary(F, 0)], 29, True),  # hung, but not yet for the whole window
+        ([canary(F, 0), canary(F, 10)], 30, False),  # hung for the whole window
+        ([canary(F, 0), canary(S, 10)], 100, True),  # a pass breaks the run
+        ([canary(Outcome.ERROR, 0, status=500)], 31, False),  # 5xx is hard
+        ([canary(Outcome.ERROR, 0, status=400)], 1000, True),  # 4xx: a wrong canary, not a hang
+        ([canary(Outcome.INVALID, 0)], 1000, True),
+        ([canary(F, 0), reg(Probe.REFUSED, 5)], 1000, True),  # gone: the runtime restarts it
+        ([canary(F, 0), reg(Probe.STATUS, 5)], 1000, True),  # loading again
+        ([reg(Probe.TIMEOUT, 0)], 31, False),  # frozen whole
+        ([reg(Probe.TIMEOUT, 0), reg(Probe.OK, 5)], 31, False),  # back, but no canary passed yet
+        ([reg(Probe.TIMEOUT, 0), reg(Probe.OK, 5), canary(S, 6)], 31, True),
+    ],
+)
+def test_liveness(events, now, live):
+    assert live_after(events, now) is live
+
+
+def test_liveness_without_canary_is_restored_by_registration():
+    state = EndpointState("generate", False, "why")
+    state = on_registration(state, reg(Probe.TIMEOUT, 0))
+    assert not decide_liveness({"generate": state}, 100, 30).live
+    state = on_registration(state, reg(Probe.OK, 101))
+    assert decide_liveness({"generate": state}, 102, 30).live
