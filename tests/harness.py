@@ -1,0 +1,200 @@
+"""Real processes over loopback: the fake engine and the sidecar, started as users start them.
+
+Every process gets its own process group and is ended by it. Ports are free ports on
+127.0.0.1; nothing here talks to any other address. Waits poll with deadlines.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import httpx
+
+LOOPBACK = "127.0.0.1"
+ROOT = Path(__file__).resolve().parent.parent
+T = TypeVar("T")
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((LOOPBACK, 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_until(
+    condition: Callable[[], T], timeout: float, interval: float = 0.02, what: str = "condition"
+) -> T:
+    """Poll ``condition`` until it returns something truthy; return it. Raise after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while True:
+        try:
+            last = condition()
+        except httpx.HTTPError as exc:
+            last = exc
+        else:
+            if last:
+                return last
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}; last: {last!r}")
+        time.sleep(interval)
+
+
+class Proc:
+    """A child process in its own process group, with its output kept in a file."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], name: str) -> None:
+        self.name = name
+        self.log = tempfile.NamedTemporaryFile(prefix=f"{name}-", suffix=".log", delete=False)  # noqa: SIM115
+        self.popen = subprocess.Popen(
+            argv,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            cwd=ROOT,
+        )
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def output(self) -> str:
+        return Path(self.log.name).read_text(errors="replace")
+
+    def signal(self, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.popen.pid, sig)
+
+    def stop(self, timeout: float = 5.0) -> int | None:
+        """SIGCONT (in case it is frozen), SIGTERM, then SIGKILL; return the exit code."""
+        if self.popen.poll() is None:
+            self.signal(signal.SIGCONT)
+            self.signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.signal(signal.SIGKILL)
+                self.popen.wait(timeout)
+        self.signal(signal.SIGKILL)  # anything left in the group
+        self.log.close()
+        return self.popen.returncode
+
+    def kill(self) -> None:
+        self.signal(signal.SIGKILL)
+        self.popen.wait(5)
+
+
+def base_env() -> dict[str, str]:
+    """The test's environment without variables that would change the sidecar's config."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DYN_", "SIDECAR_"))}
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+class FakeEngine:
+    """``python -m sidecar.fakeengine`` on a free loopback port, restartable on the same port."""
+
+    def __init__(self, backend: str, mode: str = "aggregated", *extra: str) -> None:
+        self.backend, self.mode, self.extra = backend, mode, list(extra)
+        self.port: int | None = None
+        self.proc: Proc | None = None
+        self.http = httpx.Client(timeout=2.0, trust_env=False)
+
+    @property
+    def url(self) -> str:
+        return f"http://{LOOPBACK}:{self.port}"
+
+    def start(self, *extra: str, wait: bool = True) -> FakeEngine:
+        port_file = Path(tempfile.mkdtemp(prefix="fakeengine-")) / "port"
+        argv = [sys.executable, "-m", "sidecar.fakeengine", "--backend", self.backend]
+        argv += ["--mode", self.mode, "--host", LOOPBACK, "--port", str(self.port or 0)]
+        argv += ["--port-file", str(port_file), *self.extra, *extra]
+        self.proc = Proc(argv, base_env(), f"fakeengine-{self.backend}-{self.mode}")
+        if wait:
+            wait_until(port_file.exists, 10, what=f"{self.proc.name} to bind")
+            self.port = int(port_file.read_text())
+        return self
+
+    def restart(self, *extra: str) -> None:
+        assert self.proc is not None
+        self.proc.kill()
+        self.start(*extra)
+
+    def fault(self, **faults: Any) -> dict[str, Any]:
+        response = self.http.post(f"{self.url}/_fake/fault", json=faults)
+        response.raise_for_status()
+        return response.json()
+
+    def requests(self) -> list[dict[str, Any]]:
+        return self.http.get(f"{self.url}/_fake/requests").json()
+
+    def close(self) -> None:
+        if self.proc is not None:
+            self.proc.stop()
+        self.http.close()
+
+
+class Sidecar:
+    """``python -m sidecar`` (the installed ``health-sidecar``) on a free loopback port."""
+
+    def __init__(self, env: dict[str, str], argv: tuple[str, ...] = ()) -> None:
+        self.port = free_port()
+        full = base_env() | {"DYN_SYSTEM_HOST": LOOPBACK, "DYN_SYSTEM_PORT": str(self.port)}
+        self.env = full | env
+        self.proc = Proc([sys.executable, "-m", "sidecar", *argv], self.env, "sidecar")
+        self.http = httpx.Client(timeout=1.0, trust_env=False)
+
+    @property
+    def url(self) -> str:
+        return f"http://{LOOPBACK}:{self.port}"
+
+    def wait_serving(self, timeout: float = 10) -> Sidecar:
+        def serving() -> bool:
+            if self.proc.popen.poll() is not None:
+                raise AssertionError(f"sidecar exited: {self.proc.output()}")
+            self.http.get(f"{self.url}/live")
+            return True
+
+        wait_until(serving, timeout, what="sidecar to serve")
+        return self
+
+    def get(self, path: str) -> httpx.Response:
+        return self.http.get(f"{self.url}{path}")
+
+    def health(self) -> tuple[int, dict[str, Any]]:
+        response = self.get(self.env.get("DYN_SYSTEM_HEALTH_PATH", "/health"))
+        return response.status_code, response.json()
+
+    def wait_status(self, code: int, timeout: float, path: str = "/health") -> float:
+        """Wait until ``path`` answers ``code``; return the seconds it took."""
+        start = time.monotonic()
+        wait_until(lambda: self.get(path).status_code == code, timeout, what=f"{path} -> {code}")
+        return time.monotonic() - start
+
+    def metrics(self) -> str:
+        return self.get("/metrics").text
+
+    def close(self) -> int | None:
+        self.http.close()
+        return self.proc.stop()
+
+
+@contextlib.contextmanager
+def running(*things: FakeEngine | Sidecar) -> Iterator[None]:
+    try:
+        yield
+    finally:
+        for thing in reversed(things):
+            thing.close()

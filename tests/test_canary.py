@@ -1,0 +1,157 @@
+"""The canary policy per backend and role, as a table, and the checks of an engine's answer."""
+
+from __future__ import annotations
+
+import pytest
+
+from sidecar.canary import plan_canary
+from sidecar.config import Settings
+
+ON = {"DYN_HEALTH_CHECK_ENABLED": "true"}
+
+
+def plan_for(backend: str, mode: str, model_type: str = "text", **env: str):
+    settings = Settings.model_validate(
+        ON
+        | {
+            "SIDECAR_BACKEND": backend,
+            "SIDECAR_DISAGGREGATION_MODE": mode,
+            "SIDECAR_MODEL_TYPE": model_type,
+        }
+        | env
+    )
+    return plan_canary(settings)
+
+
+@pytest.mark.parametrize(
+    ("backend", "mode", "path", "present", "absent"),
+    [
+        ("vllm", "aggregated", "/v1/completions", {"ignore_eos": True}, ["kv_transfer_params"]),
+        ("vllm", "prefill", "/v1/completions", {"max_tokens": 1}, ["kv_transfer_params"]),
+        ("vllm", "decode", "/v1/completions", {"temperature": 0}, ["kv_transfer_params"]),
+        ("trtllm", "aggregated", "/v1/completions", {}, ["disaggregated_params"]),
+        (
+            "trtllm",
+            "prefill",
+            "/v1/completions",
+            {"disaggregated_params": {"request_type": "context_and_generation"}},
+            [],
+        ),
+        (
+            "trtllm",
+            "decode",
+            "/v1/completions",
+            {"disaggregated_params": {"request_type": "context_and_generation"}},
+            [],
+        ),
+        ("sglang", "aggregated", "/generate", {"stream": False}, ["bootstrap_host"]),
+        (
+            "sglang",
+            "prefill",
+            "/generate",
+            {"bootstrap_host": "2.2.2.2", "bootstrap_port": 8998},
+            [],
+        ),
+        ("sglang", "decode", "/generate", {"bootstrap_host": "2.2.2.2"}, []),
+        ("openai", "aggregated", "/v1/completions", {"max_tokens": 1}, ["ignore_eos"]),
+    ],
+)
+def test_role_aware_bodies(backend, mode, path, present, absent):
+    plan = plan_for(backend, mode)
+    assert plan.enabled
+    request = plan.request("tiny", "canary-1")
+    assert (request.method, request.path) == ("POST", path)
+    for key, value in present.items():
+        assert request.body[key] == value
+    for key in absent:
+        assert key not in request.body
+    assert request.request_id == "canary-1"
+
+
+def test_prompt_is_shorter_than_one_kv_block():
+    for backend in ("vllm", "trtllm"):
+        assert len(plan_for(backend, "prefill").request("m", "r").body["prompt"]) < 16
+    assert len(plan_for("sglang", "prefill").request("m", "r").body["input_ids"]) < 16
+
+
+def test_sglang_room_is_fresh_per_canary_and_decode_asks_two_tokens():
+    plan = plan_for("sglang", "decode")
+    a, b = plan.request(None, "canary-a"), plan.request(None, "canary-b")
+    assert a.body["bootstrap_room"] != b.body["bootstrap_room"]
+    assert 0 <= a.body["bootstrap_room"] < 2**63
+    assert a.body["sampling_params"]["max_new_tokens"] == 2
+    assert a.body["rid"] == "canary-a"
+
+
+@pytest.mark.parametrize(
+    ("backend", "mode", "model_type", "enabled"),
+    [
+        ("vllm", "encode", "multimodal", False),
+        ("sglang", "encode", "multimodal", False),
+        ("trtllm", "encode", "text", False),
+        ("vllm", "decode", "multimodal", False),  # needs embedding_params: no safe probe
+        ("vllm", "decode", "text", True),
+        ("sglang", "decode", "multimodal", True),  # fake transfer works for the language model
+        ("trtllm", "decode", "multimodal", True),
+    ],
+)
+def test_roles_without_a_safe_probe(backend, mode, model_type, enabled):
+    assert plan_for(backend, mode, model_type).enabled is enabled
+
+
+def test_canaries_off():
+    settings = Settings.model_validate({"SIDECAR_BACKEND": "vllm"})
+    plan = plan_canary(settings)
+    assert not plan.enabled
+    assert "DYN_HEALTH_CHECK_ENABLED" in plan.why
+
+
+def test_payload_override_gives_any_role_a_canary():
+    plan = plan_for("vllm", "encode", "multimodal", DYN_HEALTH_CHECK_PAYLOAD='{"prompt": "p"}')
+    assert plan.enabled
+    request = plan.request(None, "canary-1")
+    assert request.body == {"prompt": "p"}
+    assert request.expected_tokens is None
+
+
+def completion(finish="length", tokens=1, **extra):
+    return {
+        "choices": [{"index": 0, "text": "x", "finish_reason": finish}],
+        "usage": {"prompt_tokens": 8, "completion_tokens": tokens},
+    } | extra
+
+
+SGLANG_OK = {
+    "text": "x",
+    "meta_info": {"finish_reason": {"type": "length", "length": 2}, "completion_tokens": 2},
+}
+
+
+@pytest.mark.parametrize(
+    ("backend", "mode", "answer", "problem"),
+    [
+        ("vllm", "aggregated", completion(), None),
+        ("vllm", "aggregated", completion(finish="stop"), "finish_reason 'stop'"),
+        ("vllm", "aggregated", completion(tokens=2), "completion_tokens 2"),
+        ("vllm", "aggregated", {"choices": []}, "no choices"),
+        ("vllm", "aggregated", {"choices": [{"text": "x"}]}, "no finish_reason"),
+        ("vllm", "aggregated", [1, 2], "not a JSON object"),
+        ("vllm", "aggregated", {"error": {"message": "boom"}}, "engine error in body: boom"),
+        ("trtllm", "decode", completion(), None),
+        ("openai", "aggregated", completion(finish="stop", tokens=0), None),
+        ("openai", "aggregated", completion(tokens=3), "completion_tokens 3"),
+        ("sglang", "decode", SGLANG_OK, None),
+        ("sglang", "decode", {"text": "x"}, "no meta_info"),
+        ("sglang", "decode", {"meta_info": {"completion_tokens": 2}}, "finish_reason"),
+        ("sglang", "aggregated", SGLANG_OK, "completion_tokens 2, expected 1"),
+    ],
+)
+def test_answer_checks(backend, mode, answer, problem):
+    plan = plan_for(backend, mode)
+    request = plan.request("tiny", "canary-1")
+    found = plan.problem(answer, request.expected_tokens)
+    if problem is None:
+        assert found is None
+    else:
+        assert found is not None
+        assert problem in found
