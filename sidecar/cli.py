@@ -21,6 +21,14 @@ def _parser() -> argparse.ArgumentParser:
         description="Role-aware canary health checks for one LLM inference worker. "
         "Configured by environment variables (see README).",
     )
+    parser.add_argument(
+        "command",
+        nargs="?",
+        choices=["serve", "demo"],
+        default="serve",
+        help="serve (default): run the sidecar; demo: run it against the engine at "
+        "SIDECAR_ENGINE_URL, or a bundled fake engine when none answers there",
+    )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     parser.add_argument(
         "--env-file",
@@ -47,6 +55,10 @@ def _configure_logging(settings: Settings) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "demo":
+        from sidecar.demo import main as demo
+
+        return demo()
     try:
         settings = load_settings(args.env_file)
     except ConfigError as exc:

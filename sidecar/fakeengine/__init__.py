@@ -1,0 +1,13 @@
+"""A protocol-faithful fake LLM inference engine for tests and demos.
+
+Run ``python -m sidecar.fakeengine --backend vllm --mode decode --port 8000``. It speaks the HTTP
+dialect of vLLM, SGLang, TensorRT-LLM or llama.cpp's llama-server (``--backend openai``),
+including their prefill/decode/encode role rules, and adds a ``/_fake`` control API for fault
+injection (hangs, latency, errors, garbage bodies, death) and request inspection.
+"""
+
+from __future__ import annotations
+
+from sidecar.fakeengine.state import BACKEND_NAMES, FAKE_BOOTSTRAP_HOST, MODES
+
+__all__ = ["BACKEND_NAMES", "FAKE_BOOTSTRAP_HOST", "MODES"]

@@ -1,0 +1,3 @@
+from sidecar.fakeengine.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,42 @@
+"""``/_fake/*``: the test-only control API (faults, request log, state). Real engines lack it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter
+
+from sidecar.fakeengine.state import EngineState, Faults
+
+
+def admin_router(state: EngineState) -> APIRouter:
+    router = APIRouter(prefix="/_fake")
+
+    @router.get("/fault")
+    async def get_fault() -> dict[str, Any]:
+        return state.faults.model_dump()
+
+    @router.post("/fault")
+    async def set_fault(update: Faults) -> dict[str, Any]:
+        """Merge the given fields into the current faults; omitted fields keep their value."""
+        return state.update_faults(update.model_dump(include=update.model_fields_set)).model_dump()
+
+    @router.post("/reset")
+    async def reset() -> dict[str, Any]:
+        return state.reset_faults().model_dump()
+
+    @router.get("/requests")
+    async def list_requests() -> list[dict[str, Any]]:
+        return list(state.requests)
+
+    @router.delete("/requests")
+    async def clear_requests() -> dict[str, int]:
+        cleared = len(state.requests)
+        state.requests.clear()
+        return {"cleared": cleared}
+
+    @router.get("/state")
+    async def get_state() -> dict[str, Any]:
+        return state.snapshot()
+
+    return router

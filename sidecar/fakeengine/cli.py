@@ -1,0 +1,177 @@
+"""Command line and process lifecycle: parse flags, load, bind one socket, serve, stop on signal."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from types import FrameType
+
+import uvicorn
+
+from sidecar.fakeengine.app import build_app
+from sidecar.fakeengine.backends import BACKENDS
+from sidecar.fakeengine.state import BACKEND_NAMES, MODES, EngineConfig, EngineState
+
+logger = logging.getLogger("sidecar.fakeengine")
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+#: How long in-flight (possibly hung) requests may delay a SIGTERM/SIGINT shutdown.
+GRACEFUL_SHUTDOWN_SECONDS = 1
+LISTEN_BACKLOG = 2048
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m sidecar.fakeengine",
+        description="Fake LLM inference engine speaking vLLM, SGLang, TRT-LLM or llama.cpp HTTP.",
+    )
+    parser.add_argument("--backend", choices=BACKEND_NAMES, default="vllm")
+    parser.add_argument("--mode", choices=MODES, default="aggregated")
+    parser.add_argument("--model-name", default="tiny")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True, help="0 lets the OS pick a port")
+    parser.add_argument(
+        "--load-seconds",
+        type=_non_negative,
+        default=0.0,
+        help="model loading phase (vllm/trtllm: port closed; sglang/openai: health 503)",
+    )
+    parser.add_argument(
+        "--latency", type=_non_negative, default=0.0, help="seconds each generation takes"
+    )
+    parser.add_argument("--port-file", type=Path, help="write the bound port here (atomically)")
+    parser.add_argument("--log-level", choices=LOG_LEVELS, default="warning")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    return asyncio.run(_run(args))
+
+
+async def _run(args: argparse.Namespace) -> int:
+    binds_after_loading = BACKENDS[args.backend].binds_after_loading
+    config = EngineConfig(
+        backend=args.backend,
+        mode=args.mode,
+        model=args.model_name,
+        host=args.host,
+        latency=args.latency,
+        load_seconds=args.load_seconds,
+    )
+    state = EngineState(config, loading_seconds=0.0 if binds_after_loading else args.load_seconds)
+    server = _EngineServer(
+        state,
+        uvicorn.Config(
+            build_app(state),
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            access_log=False,
+            lifespan="off",
+            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS,
+        ),
+    )
+    stop = _StopOnSignal(server)
+    if binds_after_loading and args.load_seconds > 0:
+        logger.info("loading the model for %.2fs before opening the port", args.load_seconds)
+        if await stop.wait(args.load_seconds):
+            return 0
+    try:
+        sock = bind_socket(args.host, args.port)
+    except OSError as exc:
+        print(f"fakeengine: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
+        return 1
+    port = sock.getsockname()[1]
+    if args.port_file is not None:
+        write_port_file(args.port_file, port)
+    print(
+        f"fakeengine listening on http://{_url_host(args.host)}:{port} "
+        f"backend={args.backend} mode={args.mode}",
+        flush=True,
+    )
+    await server.serve(sockets=[sock])
+    return 0
+
+
+class _EngineServer(uvicorn.Server):
+    """Fails hung and parked requests with a 503 as soon as shutdown begins, instead of letting
+    uvicorn cancel them (with a traceback) after its graceful-shutdown timeout."""
+
+    def __init__(self, state: EngineState, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self._state = state
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        self._state.stop()
+        await super().shutdown(sockets=sockets)
+
+
+class _StopOnSignal:
+    """SIGTERM/SIGINT end the process gracefully with status 0, whether loading or serving.
+
+    uvicorn swaps in its own handlers while serving and, on the way out, restores these and
+    re-raises the signal it caught; landing here again is harmless.
+    """
+
+    def __init__(self, server: uvicorn.Server) -> None:
+        self._server = server
+        self._loop = asyncio.get_running_loop()
+        self._stopped = asyncio.Event()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, self._handle)
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        self._server.should_exit = True
+        self._loop.call_soon_threadsafe(self._stopped.set)
+
+    async def wait(self, seconds: float) -> bool:
+        """Sleep up to ``seconds``; True if a stop signal arrived meanwhile."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stopped.wait(), timeout=seconds)
+        return self._stopped.is_set()
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """Listen on exactly ``host:port``; SO_REUSEADDR allows an instant restart after SIGKILL."""
+    family, kind, proto, _, address = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(LISTEN_BACKLOG)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def write_port_file(path: Path, port: int) -> None:
+    """Write then rename, so a reader never sees a partial file."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(f"{port}\n")
+    tmp.replace(path)
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+def _non_negative(text: str) -> float:
+    value = float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value

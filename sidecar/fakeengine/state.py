@@ -1,0 +1,195 @@
+"""The one mutable object of a fake engine process: configuration, faults, counters, request log."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal, get_args
+
+from pydantic import BaseModel, ConfigDict, Field
+
+BackendName = Literal["vllm", "sglang", "trtllm", "openai"]
+Mode = Literal["aggregated", "prefill", "decode", "encode"]
+GarbageKind = Literal[
+    "invalid_json",
+    "html",
+    "empty",
+    "truncated",
+    "no_finish_reason",
+    "wrong_token_count",
+    "wrong_content_type",
+]
+
+BACKEND_NAMES: tuple[str, ...] = get_args(BackendName)
+MODES: tuple[str, ...] = get_args(Mode)
+
+#: SGLang's bootstrap host that selects the fake KV transfer (warm-up and health probes).
+FAKE_BOOTSTRAP_HOST = "2.2.2.2"
+MAX_RECORDED_REQUESTS = 10_000
+RECORDED_HEADERS = ("x-request-id", "user-agent", "authorization", "content-type")
+DEFAULT_GENERATION_ERROR = "Injected generation failure (fake engine)"
+
+_VOCAB = ("the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "again")
+
+
+class Faults(BaseModel):
+    """Injected faults. Also the body schema of ``POST /_fake/fault`` (any subset of fields)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    hang_generation: bool = False
+    latency: float = Field(default=0.0, ge=0.0)
+    health_status: int | None = Field(default=None, ge=100, le=599)
+    generation_status: int | None = Field(default=None, ge=100, le=599)
+    generation_error: str = DEFAULT_GENERATION_ERROR
+    garbage: GarbageKind | None = None
+    dead: bool = False
+
+
+class EngineStopping(Exception):
+    """The server is shutting down; parked and hung requests are failed instead of cancelled."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    backend: BackendName
+    mode: Mode
+    model: str
+    host: str
+    latency: float
+    load_seconds: float
+
+
+@dataclass
+class Job:
+    """One admitted generation request, independent of the wire protocol."""
+
+    request_id: str
+    prompt_tokens: int
+    max_tokens: int
+    prompt_ids: list[int] | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+def token_at(position: int) -> int:
+    """Deterministic small token id for the n-th generated token."""
+    return 11 + (position * 7) % 89
+
+
+def detokenize(tokens: list[int]) -> str:
+    return "".join(" " + _VOCAB[tok % len(_VOCAB)] for tok in tokens)
+
+
+def count_text_tokens(text: str) -> int:
+    """Crude tokenizer: one token per whitespace-separated word, at least one."""
+    return max(1, len(text.split()))
+
+
+class EngineState:
+    """Everything a running fake engine knows. Created once in ``main`` and shared by the routes."""
+
+    def __init__(self, config: EngineConfig, *, loading_seconds: float) -> None:
+        self.config = config
+        self.pid = os.getpid()
+        self.faults = Faults(latency=config.latency)
+        self.requests: deque[dict[str, Any]] = deque(maxlen=MAX_RECORDED_REQUESTS)
+        self.running = 0
+        self.waiting = 0
+        self.prompt_tokens = 0
+        self.generated_tokens = 0
+        self.finished_requests = 0
+        self._ready_at = time.monotonic() + loading_seconds
+        self.stopping = asyncio.Event()
+        self._released = asyncio.Event()
+        self._released.set()
+
+    # -- loading ---------------------------------------------------------------------------------
+
+    @property
+    def loading(self) -> bool:
+        return time.monotonic() < self._ready_at
+
+    async def wait_loaded(self) -> None:
+        remaining = self._ready_at - time.monotonic()
+        if remaining > 0:
+            await asyncio.sleep(remaining)
+
+    # -- faults ----------------------------------------------------------------------------------
+
+    def update_faults(self, changes: Mapping[str, Any]) -> Faults:
+        self.faults = self.faults.model_copy(update=dict(changes))
+        self._sync_hang()
+        return self.faults
+
+    def reset_faults(self) -> Faults:
+        self.faults = Faults(latency=self.config.latency)
+        self._sync_hang()
+        return self.faults
+
+    def mark_dead(self) -> None:
+        self.update_faults({"dead": True})
+
+    def _sync_hang(self) -> None:
+        if self.faults.hang_generation and not self.stopping.is_set():
+            self._released.clear()
+        else:
+            self._released.set()
+
+    def stop(self) -> None:
+        """Shutdown begins: release hung generations (they then fail) and wake parked requests."""
+        self.stopping.set()
+        self._released.set()
+
+    async def _wait_released(self) -> None:
+        await self._released.wait()
+        if self.stopping.is_set():
+            raise EngineStopping
+
+    # -- request log -----------------------------------------------------------------------------
+
+    def record(
+        self, method: str, path: str, headers: Mapping[str, str], payload: object | None
+    ) -> None:
+        kept = {name: headers[name] for name in RECORDED_HEADERS if name in headers}
+        self.requests.append(
+            {"time": time.time(), "method": method, "path": path, "headers": kept, "json": payload}
+        )
+
+    # -- generation ------------------------------------------------------------------------------
+
+    async def generate(self, job: Job) -> AsyncIterator[int]:
+        """Yield ``job.max_tokens`` tokens, honouring latency and hangs, updating counters."""
+        self.running += 1
+        try:
+            await self._wait_released()
+            self.prompt_tokens += job.prompt_tokens
+            if job.max_tokens == 0:
+                await asyncio.sleep(self.faults.latency)
+            for position in range(job.max_tokens):
+                await self._wait_released()
+                await asyncio.sleep(self.faults.latency / job.max_tokens)
+                self.generated_tokens += 1
+                yield token_at(position)
+            self.finished_requests += 1
+        finally:
+            self.running -= 1
+
+    async def generate_all(self, job: Job) -> list[int]:
+        return [token async for token in self.generate(job)]
+
+    # -- introspection ---------------------------------------------------------------------------
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "backend": self.config.backend,
+            "mode": self.config.mode,
+            "model": self.config.model,
+            "loading": self.loading,
+            "running": self.running,
+            "generated_tokens": self.generated_tokens,
+            "pid": self.pid,
+        }

@@ -1,0 +1,628 @@
+"""End-to-end tests of ``python -m sidecar.fakeengine``, each engine a real process on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+HOST = "127.0.0.1"
+START_TIMEOUT = 10.0
+POLL_INTERVAL = 0.02
+HUNG_CLIENT_TIMEOUT = 0.5
+CANARY_IDS = [101, 102, 103, 104, 105, 106, 107, 108]
+VLLM_DEAD = "EngineCore encountered an issue. See stack trace (above) for the root cause."
+
+GARBAGE_KINDS = [
+    "invalid_json",
+    "html",
+    "empty",
+    "truncated",
+    "no_finish_reason",
+    "wrong_token_count",
+    "wrong_content_type",
+]
+
+
+# --------------------------------------------------------------------------------- harness
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float = START_TIMEOUT) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met before the deadline")
+        time.sleep(POLL_INTERVAL)
+
+
+@dataclass
+class Engine:
+    proc: subprocess.Popen[bytes]
+    port: int
+    log: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+    def get(self, path: str, timeout: float = 5.0) -> httpx.Response:
+        return httpx.get(self.url + path, timeout=timeout)
+
+    def post(self, path: str, body: Any = None, timeout: float = 5.0, **kw: Any) -> httpx.Response:
+        return httpx.post(self.url + path, json=body, timeout=timeout, **kw)
+
+    def fault(self, **changes: Any) -> dict[str, Any]:
+        response = self.post("/_fake/fault", changes)
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    def state(self) -> dict[str, Any]:
+        return self.get("/_fake/state").json()
+
+    def metric(self, name: str, path: str = "/metrics") -> float:
+        return metric_value(self.get(path).text, name)
+
+
+def metric_value(text: str, name: str) -> float:
+    match = re.search(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? (\S+)$", text, re.MULTILINE)
+    assert match, f"{name} missing from metrics:\n{text}"
+    return float(match.group(1))
+
+
+def stop_processes(procs: list[subprocess.Popen[bytes]]) -> None:
+    """Terminate all at once, then give each up to 3 s before SIGKILL."""
+    running = [proc for proc in procs if proc.poll() is None]
+    for proc in running:
+        proc.terminate()
+    for proc in running:
+        try:
+            proc.wait(timeout=3)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+class Launcher:
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def start(self, *args: str, port: int = 0, wait: bool = True) -> Engine:
+        n = len(self.procs)
+        port_file = self.workdir / f"engine-{n}.port"
+        log = self.workdir / f"engine-{n}.log"
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+        command = [sys.executable, "-m", "sidecar.fakeengine", "--host", HOST, "--port", str(port)]
+        with log.open("wb") as sink:
+            proc = subprocess.Popen(
+                [*command, "--port-file", str(port_file), *args],
+                stdout=sink,
+                stderr=subprocess.STDOUT,
+                env=env,
+            )
+        self.procs.append(proc)
+        engine = Engine(proc, port, log)
+        if wait:
+            engine.port = self._read_port(port_file, proc)
+        return engine
+
+    @staticmethod
+    def _read_port(port_file: Path, proc: subprocess.Popen[bytes]) -> int:
+        def ready() -> bool:
+            assert proc.poll() is None, f"engine exited early with {proc.returncode}"
+            return port_file.exists()
+
+        wait_for(ready)
+        return int(port_file.read_text())
+
+    def stop_all(self) -> None:
+        stop_processes(self.procs)
+
+
+@pytest.fixture
+def launch(tmp_path: Path) -> Iterator[Callable[..., Engine]]:
+    launcher = Launcher(tmp_path)
+    try:
+        yield launcher.start
+    finally:
+        launcher.stop_all()
+
+
+@pytest.fixture(scope="module")
+def shared_vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+    launcher = Launcher(tmp_path_factory.mktemp("shared-vllm"))
+    try:
+        yield launcher.start("--backend", "vllm")
+    finally:
+        launcher.stop_all()
+
+
+@pytest.fixture
+def vllm(shared_vllm: Engine) -> Engine:
+    """The module's aggregated vLLM engine with faults and request log cleared."""
+    assert shared_vllm.post("/_fake/reset").status_code == 200
+    assert httpx.delete(shared_vllm.url + "/_fake/requests").status_code == 200
+    return shared_vllm
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind((HOST, 0))
+        return sock.getsockname()[1]
+
+
+def completion(**overrides: Any) -> dict[str, Any]:
+    body = {
+        "model": "tiny",
+        "prompt": CANARY_IDS,
+        "max_tokens": 1,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": False,
+    }
+    return {**body, **overrides}
+
+
+def sglang_generate(max_new_tokens: int = 1, **overrides: Any) -> dict[str, Any]:
+    sampling = {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True}
+    body = {"input_ids": CANARY_IDS, "sampling_params": sampling, "rid": "canary-1"}
+    return {**body, **overrides}
+
+
+# ------------------------------------------------------------------------------ lifecycle
+
+
+def test_port_file_and_listening_line(vllm: Engine) -> None:
+    line = f"fakeengine listening on http://{HOST}:{vllm.port} backend=vllm mode=aggregated"
+    assert line in vllm.log.read_text()
+    state = vllm.state()
+    assert state["backend"] == "vllm"
+    assert state["mode"] == "aggregated"
+    assert state["model"] == "tiny"
+    assert state["loading"] is False
+    assert state["pid"] == vllm.proc.pid
+
+
+def test_sigterm_exits_zero_and_restart_after_sigkill(launch: Callable[..., Engine]) -> None:
+    first = launch("--backend", "openai")
+    first.proc.send_signal(signal.SIGKILL)
+    first.proc.wait(timeout=5)
+    second = launch("--backend", "openai", port=first.port)
+    assert second.port == first.port
+    assert second.get("/health").json() == {"status": "ok"}
+    second.proc.send_signal(signal.SIGTERM)
+    assert second.proc.wait(timeout=5) == 0
+
+
+# ------------------------------------------------------------------------------------ vLLM
+
+
+def test_vllm_happy_path(vllm: Engine) -> None:
+    health = vllm.get("/health")
+    assert (health.status_code, health.content) == (200, b"")
+    models = vllm.get("/v1/models").json()
+    assert models["object"] == "list"
+    card = models["data"][0]
+    assert {k: card[k] for k in ("id", "object", "owned_by", "root", "max_model_len")} == {
+        "id": "tiny",
+        "object": "model",
+        "owned_by": "vllm",
+        "root": "tiny",
+        "max_model_len": 2048,
+    }
+    response = vllm.post("/v1/completions", completion(max_tokens=3, request_id="canary-7"))
+    assert response.status_code == 200
+    body = response.json()
+    assert body["id"] == "cmpl-canary-7"
+    assert body["object"] == "text_completion"
+    assert body["model"] == "tiny"
+    assert isinstance(body["created"], int)
+    choice = body["choices"][0]
+    assert choice["index"] == 0
+    assert choice["finish_reason"] == "length"
+    assert choice["logprobs"] is None
+    assert choice["text"]
+    assert body["usage"] == {"prompt_tokens": 8, "completion_tokens": 3, "total_tokens": 11}
+    text_prompt = vllm.post("/v1/completions", completion(prompt="hello there")).json()
+    assert text_prompt["usage"]["prompt_tokens"] == 2
+
+
+def test_vllm_metrics_and_wrong_model(vllm: Engine) -> None:
+    before = vllm.metric("vllm:generation_tokens_total")
+    assert vllm.post("/v1/completions", completion(max_tokens=4)).status_code == 200
+    text = vllm.get("/metrics").text
+    assert metric_value(text, "vllm:generation_tokens_total") == before + 4
+    for name in (
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:prompt_tokens_total",
+        "vllm:iteration_tokens_total",
+    ):
+        metric_value(text, name)
+    assert 'model_name="tiny"' in text
+    wrong = vllm.post("/v1/completions", completion(model="other"))
+    assert wrong.status_code == 404
+    assert wrong.json() == {
+        "error": {
+            "message": "The model `other` does not exist.",
+            "type": "NotFoundError",
+            "code": 404,
+        }
+    }
+
+
+def test_vllm_streaming(vllm: Engine) -> None:
+    response = vllm.post("/v1/completions", completion(max_tokens=2, stream=True))
+    assert response.headers["content-type"].startswith("text/event-stream")
+    events = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    assert '"finish_reason":"length"' in events[-2]
+
+
+def test_vllm_decode_runs_plain_requests_and_dies_on_bad_remote_prefill(
+    launch: Callable[..., Engine],
+) -> None:
+    decode = launch("--backend", "vllm", "--mode", "decode")
+    ok = decode.post("/v1/completions", completion(max_tokens=2))
+    assert ok.status_code == 200
+    assert ok.json()["usage"]["completion_tokens"] == 2
+
+    bad = completion(kv_transfer_params={"do_remote_prefill": True, "remote_block_ids": []})
+    crash = decode.post("/v1/completions", bad)
+    assert crash.status_code == 500
+    assert crash.json() == {
+        "error": {
+            "message": VLLM_DEAD,
+            "type": "InternalServerError",
+            "code": 500,
+        }
+    }
+    health = decode.get("/health")
+    assert health.status_code == 503
+    assert "error" in health.json()
+    assert decode.post("/v1/completions", completion()).status_code == 500
+    assert decode.get("/v1/models").status_code == 200
+
+
+def test_vllm_prefill_to_decode_handoff(launch: Callable[..., Engine]) -> None:
+    prefill = launch("--backend", "vllm", "--mode", "prefill")
+    decode = launch("--backend", "vllm", "--mode", "decode")
+    leg1 = completion(
+        kv_transfer_params={
+            "do_remote_decode": True,
+            "do_remote_prefill": False,
+            "remote_engine_id": None,
+            "remote_block_ids": None,
+            "remote_host": None,
+            "remote_port": None,
+        }
+    )
+    params = prefill.post("/v1/completions", leg1).json()["kv_transfer_params"]
+    assert params["do_remote_prefill"] is True
+    assert params["remote_block_ids"]
+    assert params["remote_engine_id"]
+    leg2 = decode.post("/v1/completions", completion(max_tokens=2, kv_transfer_params=params))
+    assert leg2.status_code == 200
+    assert leg2.json()["usage"]["completion_tokens"] == 2
+    assert decode.get("/health").status_code == 200
+
+
+def test_vllm_encoder(launch: Callable[..., Engine]) -> None:
+    encoder = launch("--backend", "vllm", "--mode", "encode")
+    rejected = encoder.post("/v1/completions", completion())
+    assert rejected.status_code == 400
+    assert rejected.json()["error"] == {
+        "message": "This instance is an encoder (ec_producer); text generation is not supported",
+        "type": "BadRequestError",
+        "code": 400,
+    }
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+    chat = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": [image]}],
+        "max_tokens": 1,
+        "stream": False,
+    }
+    response = encoder.post("/v1/chat/completions", chat)
+    assert response.status_code == 200
+    assert len(response.json()["choices"]) == 1
+
+
+def test_vllm_loading_refuses_connections(launch: Callable[..., Engine]) -> None:
+    port = free_port()
+    engine = launch("--backend", "vllm", "--load-seconds", "1.0", port=port, wait=False)
+    refused = 0
+
+    def healthy() -> bool:
+        nonlocal refused
+        try:
+            return engine.get("/health", timeout=1.0).status_code == 200
+        except httpx.ConnectError:
+            refused += 1
+            return False
+
+    wait_for(healthy)
+    assert refused > 0
+
+
+# ---------------------------------------------------------------------------------- SGLang
+
+
+def test_sglang_happy_path(launch: Callable[..., Engine]) -> None:
+    engine = launch("--backend", "sglang")
+    assert engine.get("/health").status_code == 200
+    assert engine.get("/health_generate").status_code == 200
+    assert engine.get("/model_info").json() == {
+        "model_path": "tiny",
+        "tokenizer_path": "tiny",
+        "is_generation": True,
+    }
+    assert engine.get("/v1/models").json()["data"][0]["id"] == "tiny"
+    body = engine.post("/generate", sglang_generate(max_new_tokens=3)).json()
+    assert len(body["output_ids"]) == 3
+    assert isinstance(body["text"], str)
+    assert body["meta_info"] == {
+        "id": "canary-1",
+        "finish_reason": {"type": "length", "length": 3},
+        "prompt_tokens": 8,
+        "completion_tokens": 3,
+        "cached_tokens": 0,
+    }
+    text = engine.get("/metrics").text
+    assert metric_value(text, "sglang:generation_tokens_total") == 3
+    assert metric_value(text, "sglang:prompt_tokens_total") == 8
+    assert metric_value(text, "sglang:num_running_reqs") == 0
+    assert metric_value(text, "sglang:num_queue_reqs") == 0
+
+
+def test_sglang_decode_bootstrap_rules(launch: Callable[..., Engine]) -> None:
+    decode = launch("--backend", "sglang", "--mode", "decode")
+    roomless = decode.post("/generate", sglang_generate(rid="canary-42"))
+    assert roomless.status_code == 400
+    assert roomless.json() == {
+        "error": {
+            "message": "Invalid request: Disaggregated request received without bootstrap "
+            "room id. req.rid=canary-42"
+        }
+    }
+    fake = sglang_generate(max_new_tokens=2, bootstrap_host="2.2.2.2", bootstrap_room=0)
+    ok = decode.post("/generate", fake)
+    assert ok.status_code == 200
+    assert ok.json()["meta_info"]["completion_tokens"] == 2
+
+    real_peer = sglang_generate(bootstrap_host="10.0.0.9", bootstrap_port=8998, bootstrap_room=7)
+    with pytest.raises(httpx.ReadTimeout):
+        decode.post("/generate", real_peer, timeout=HUNG_CLIENT_TIMEOUT)
+    wait_for(lambda: decode.metric("sglang:num_queue_reqs") == 0)
+    assert decode.get("/health").status_code == 200
+
+
+def test_sglang_loading_health_503_while_generation_queues(
+    launch: Callable[..., Engine],
+) -> None:
+    engine = launch("--backend", "sglang", "--load-seconds", "0.6")
+    assert engine.get("/health").status_code == 503
+    assert engine.get("/v1/models").status_code == 200
+    assert engine.state()["loading"] is True
+    queued = engine.post("/generate", sglang_generate())
+    assert queued.status_code == 200
+    assert engine.get("/health").status_code == 200
+
+
+# ----------------------------------------------------------------------------- TensorRT-LLM
+
+
+def test_trtllm_happy_path(launch: Callable[..., Engine]) -> None:
+    engine = launch("--backend", "trtllm")
+    health = engine.get("/health")
+    assert (health.status_code, health.content) == (200, b"")
+    assert engine.get("/v1/models").json()["data"][0]["owned_by"] == "tensorrt_llm"
+    body = engine.post("/v1/completions", completion(max_tokens=2)).json()
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"]["completion_tokens"] == 2
+    text = engine.get("/prometheus/metrics").text
+    assert metric_value(text, "trtllm_request_success_total") == 1
+    assert metric_value(text, "trtllm_prompt_tokens_total") == 8
+    engine.fault(health_status=503)
+    unhealthy = engine.get("/health")
+    assert unhealthy.status_code == 503
+    assert unhealthy.text == "LLM is unavailable. Please check the server logs for more details."
+
+
+def test_trtllm_decode_requires_disaggregated_params(launch: Callable[..., Engine]) -> None:
+    decode = launch("--backend", "trtllm", "--mode", "decode")
+    plain = decode.post("/v1/completions", completion())
+    assert plain.status_code == 400
+    assert plain.json() == {
+        "error": {
+            "message": "Disaggregated params are required for decode mode",
+            "type": "BadRequestError",
+            "code": 400,
+        }
+    }
+    local = completion(disaggregated_params={"request_type": "context_and_generation"})
+    ok = decode.post("/v1/completions", local)
+    assert ok.status_code == 200
+    assert ok.json()["usage"]["completion_tokens"] == 1
+
+    unknown = decode.post("/v1/completions", completion(disaggregated_params={"request_type": "x"}))
+    assert unknown.status_code == 400
+    assert unknown.json()["error"]["message"] == "Unknown request type: x"
+    forged = completion(disaggregated_params={"request_type": "generation_only"})
+    assert decode.post("/v1/completions", forged).status_code == 400
+
+
+def test_trtllm_prefill_context_only(launch: Callable[..., Engine]) -> None:
+    prefill = launch("--backend", "trtllm", "--mode", "prefill")
+    plain = prefill.post("/v1/completions", completion())
+    assert plain.status_code == 400
+    assert plain.json()["error"]["message"] == "Disaggregated params are required for prefill mode"
+    context = completion(max_tokens=5, disaggregated_params={"request_type": "context_only"})
+    body = prefill.post("/v1/completions", context).json()
+    choice = body["choices"][0]
+    assert choice["finish_reason"] == "length"
+    assert body["usage"]["completion_tokens"] == 1
+    params = choice["disaggregated_params"]
+    assert params["request_type"] == "context_only"
+    assert isinstance(params["ctx_request_id"], int)
+    assert params["encoded_opaque_state"]
+    assert len(params["first_gen_tokens"]) == 1
+
+
+# ---------------------------------------------------------------------- llama.cpp (openai)
+
+
+def test_openai_happy_path(launch: Callable[..., Engine]) -> None:
+    engine = launch("--backend", "openai")
+    for path in ("/health", "/v1/health"):
+        response = engine.get(path)
+        assert (response.status_code, response.json()) == (200, {"status": "ok"})
+    assert engine.get("/v1/models").json()["data"][0]["owned_by"] == "llamacpp"
+    body = engine.post("/v1/completions", completion(model="anything", max_tokens=2)).json()
+    assert body["usage"]["completion_tokens"] == 2
+    native = engine.post("/completion", {"prompt": "hi there", "n_predict": 3}).json()
+    assert native["tokens_predicted"] == 3
+    assert (native["stop"], native["stop_type"]) == (True, "limit")
+    assert isinstance(native["content"], str)
+    text = engine.get("/metrics").text
+    assert metric_value(text, "llamacpp:tokens_predicted_total") == 5
+    assert metric_value(text, "llamacpp:prompt_tokens_total") == 10
+    assert metric_value(text, "llamacpp:requests_processing") == 0
+    assert metric_value(text, "llamacpp:requests_deferred") == 0
+
+
+def test_openai_loading_503_then_ok(launch: Callable[..., Engine]) -> None:
+    engine = launch("--backend", "openai", "--load-seconds", "0.8")
+    loading = {"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}}
+    for path in ("/health", "/v1/models", "/metrics"):
+        response = engine.get(path)
+        assert (response.status_code, response.json()) == (503, loading)
+    assert engine.post("/completion", {"prompt": "hi", "n_predict": 1}).status_code == 503
+    wait_for(lambda: engine.get("/health").status_code == 200)
+    assert engine.get("/health").json() == {"status": "ok"}
+    assert engine.get("/v1/models").status_code == 200
+
+
+# ----------------------------------------------------------------------------- fault API
+
+
+def test_hang_generation_keeps_health_green(vllm: Engine) -> None:
+    vllm.fault(hang_generation=True)
+    with pytest.raises(httpx.ReadTimeout):
+        vllm.post("/v1/completions", completion(), timeout=HUNG_CLIENT_TIMEOUT)
+    for path in ("/health", "/v1/models", "/metrics"):
+        assert vllm.get(path).status_code == 200
+    assert vllm.metric("vllm:num_requests_running") == 1
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        pending = pool.submit(vllm.post, "/v1/completions", completion(max_tokens=2))
+        wait_for(lambda: vllm.state()["running"] == 2)
+        assert not pending.done()
+        vllm.fault(hang_generation=False)
+        released = pending.result(timeout=5)
+    assert released.status_code == 200
+    assert released.json()["usage"]["completion_tokens"] == 2
+    wait_for(lambda: vllm.state()["running"] == 0)
+
+
+def test_latency_moves_counters_during_generation(vllm: Engine) -> None:
+    vllm.fault(latency=0.6)
+    before = vllm.state()["generated_tokens"]
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        started = time.monotonic()
+        pending = pool.submit(vllm.post, "/v1/completions", completion(max_tokens=6))
+        wait_for(lambda: vllm.state()["generated_tokens"] > before)
+        assert vllm.state()["generated_tokens"] < before + 6
+        assert pending.result(timeout=5).status_code == 200
+    assert time.monotonic() - started >= 0.55
+    assert vllm.state()["generated_tokens"] == before + 6
+
+
+@pytest.mark.parametrize("kind", GARBAGE_KINDS)
+def test_garbage(vllm: Engine, kind: str) -> None:
+    valid = vllm.post("/v1/completions", completion(max_tokens=2)).content
+    vllm.fault(garbage=kind)
+    response = vllm.post("/v1/completions", completion(max_tokens=2))
+    assert response.status_code == 200
+    content_type = response.headers.get("content-type", "")
+    if kind == "invalid_json":
+        assert response.content == b"{not json"
+    elif kind == "html":
+        assert content_type.startswith("text/html")
+        assert b"<html" in response.content
+    elif kind == "empty":
+        assert response.content == b""
+    elif kind == "truncated":
+        assert 0 < len(response.content) < len(valid)
+        with pytest.raises(json.JSONDecodeError):
+            response.json()
+    elif kind == "no_finish_reason":
+        assert "finish_reason" not in response.json()["choices"][0]
+    elif kind == "wrong_token_count":
+        assert response.json()["usage"]["completion_tokens"] == 3
+    else:
+        assert content_type.startswith("text/plain")
+        assert response.json()["choices"][0]["finish_reason"] == "length"
+
+
+def test_garbage_shapes_of_other_backends(launch: Callable[..., Engine]) -> None:
+    sglang = launch("--backend", "sglang")
+    sglang.fault(garbage="wrong_token_count")
+    assert sglang.post("/generate", sglang_generate()).json()["meta_info"]["completion_tokens"] == 2
+    sglang.fault(garbage="no_finish_reason")
+    assert "finish_reason" not in sglang.post("/generate", sglang_generate()).json()["meta_info"]
+
+
+def test_injected_errors_dead_and_reset(vllm: Engine) -> None:
+    state = vllm.fault(generation_status=429, generation_error="slow down")
+    assert state["generation_status"] == 429
+    throttled = vllm.post("/v1/completions", completion())
+    assert throttled.status_code == 429
+    assert throttled.json()["error"]["message"] == "slow down"
+
+    vllm.fault(health_status=503)
+    assert vllm.get("/health").status_code == 503
+    vllm.fault(health_status=None, generation_status=None, dead=True)
+    assert vllm.get("/health").status_code == 503
+    assert vllm.post("/v1/completions", completion()).status_code == 500
+
+    reset = vllm.post("/_fake/reset").json()
+    assert reset == vllm.get("/_fake/fault").json()
+    assert (reset["dead"], reset["hang_generation"], reset["garbage"]) == (False, False, None)
+    assert vllm.get("/health").status_code == 200
+    assert vllm.post("/v1/completions", completion()).status_code == 200
+    assert vllm.post("/_fake/fault", {"garbage": "nonsense"}).status_code == 422
+
+
+def test_request_log(vllm: Engine) -> None:
+    headers = {"X-Request-Id": "rid-1", "Authorization": "Bearer t", "X-Other": "dropped"}
+    vllm.post("/v1/completions", completion(request_id="r1"), headers=headers)
+    httpx.post(vllm.url + "/v1/completions", content=b"{oops", timeout=5)
+    vllm.get("/health")
+    log = vllm.get("/_fake/requests").json()
+    assert [entry["path"] for entry in log] == ["/v1/completions", "/v1/completions"]
+    first, second = log
+    assert first["method"] == "POST"
+    assert first["json"] == completion(request_id="r1")
+    assert first["headers"]["x-request-id"] == "rid-1"
+    assert first["headers"]["authorization"] == "Bearer t"
+    assert first["headers"]["content-type"] == "application/json"
+    assert "x-other" not in first["headers"]
+    assert isinstance(first["time"], float)
+    assert second["json"] is None
+    assert httpx.delete(vllm.url + "/_fake/requests").status_code == 200
+    assert vllm.get("/_fake/requests").json() == []
