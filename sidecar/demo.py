@@ -94,9 +94,9 @@ def main() -> int:
         else:
             backend = os.environ.setdefault("SIDECAR_BACKEND", "vllm")
             mode = os.environ.setdefault("SIDECAR_DISAGGREGATION_MODE", "aggregated")
+            print(f"demo: no engine answers at {engine_url}; starting the fake {backend} engine")
             engine_url = stack.enter_context(_fake_engine(backend, mode))
             os.environ["SIDECAR_ENGINE_URL"] = engine_url
-            print(f"demo: no engine at {engine_url}; started the fake {backend} {mode} engine")
             hint = (
                 f"  hang the engine's GPU loop:  curl -s -X POST {engine_url}/_fake/fault "
                 """-d '{"hang_generation": true}'\n"""
