@@ -12,6 +12,7 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 import httpx
@@ -36,6 +37,21 @@ class Answer:
     location: str | None
 
 
+class Failure(StrEnum):
+    """Why an exchange produced no answer."""
+
+    TIMEOUT = "timeout"
+    TOO_LARGE = "too_large"
+    REFUSED = "refused"
+    BROKEN = "broken"
+
+
+@dataclass(frozen=True)
+class NoAnswer:
+    failure: Failure
+    reason: str
+
+
 def _error_text(body: bytes) -> str:
     """The engine's error message from a JSON error body, or the start of the text."""
     text = body.decode("utf-8", "replace").strip()
@@ -53,13 +69,31 @@ def _error_text(body: bytes) -> str:
     return text[:ERROR_TEXT_CHARS] + ("..." if len(text) > ERROR_TEXT_CHARS else "")
 
 
-def _describe_transport_error(exc: httpx.TransportError) -> tuple[str, str]:
-    """(kind, reason) for a transport failure; kind is 'refused' or 'error'."""
+def _no_answer(exc: Exception, timeout: float) -> NoAnswer:
+    if isinstance(exc, TimeoutError):
+        return NoAnswer(Failure.TIMEOUT, f"no complete answer within {timeout:g} s")
+    if isinstance(exc, BodyTooLarge):
+        return NoAnswer(Failure.TOO_LARGE, f"answer too large ({exc})")
+    detail = str(exc) or type(exc).__name__
     if isinstance(exc, httpx.ConnectError):
-        return "refused", f"cannot connect: {exc or type(exc).__name__}"
+        return NoAnswer(Failure.REFUSED, f"cannot connect: {detail}")
     if isinstance(exc, httpx.RemoteProtocolError):
-        return "error", f"connection broke mid-answer: {exc or type(exc).__name__}"
-    return "error", f"{type(exc).__name__}: {exc or 'transport error'}"
+        return NoAnswer(Failure.BROKEN, f"connection broke mid-answer: {detail}")
+    return NoAnswer(Failure.BROKEN, f"{type(exc).__name__}: {detail}")
+
+
+CANARY_OUTCOME = {
+    Failure.TIMEOUT: Outcome.TIMEOUT,
+    Failure.TOO_LARGE: Outcome.INVALID,
+    Failure.REFUSED: Outcome.REFUSED,
+    Failure.BROKEN: Outcome.ERROR,
+}
+REGISTRATION_PROBE = {
+    Failure.TIMEOUT: Probe.TIMEOUT,
+    Failure.TOO_LARGE: Probe.ERROR,
+    Failure.REFUSED: Probe.REFUSED,
+    Failure.BROKEN: Probe.ERROR,
+}
 
 
 class EngineClient:
@@ -97,9 +131,16 @@ class EngineClient:
         *,
         json_body: Any = None,
         headers: dict[str, str] | None = None,
+    ) -> Answer | NoAnswer:
+        """One request with a deadline over the whole answer, and a bounded read."""
+        try:
+            return await self._read(method, path, json_body, headers)
+        except (TimeoutError, BodyTooLarge, httpx.TransportError) as exc:
+            return _no_answer(exc, self.timeout)
+
+    async def _read(
+        self, method: str, path: str, json_body: Any, headers: dict[str, str] | None
     ) -> Answer:
-        """One request with a deadline over the whole answer. Raises TimeoutError, BodyTooLarge or
-        httpx.TransportError."""
         async with asyncio.timeout(self.timeout):
             request = self._http.build_request(method, path, json=json_body, headers=headers)
             response = await self._http.send(request, stream=True)
@@ -131,20 +172,14 @@ class EngineClient:
                 outcome, reason, started, self.clock(), time.time(), request.request_id, status
             )
 
-        try:
-            answer = await self._exchange(
-                request.method,
-                request.path,
-                json_body=request.body,
-                headers={"X-Request-Id": request.request_id},
-            )
-        except TimeoutError:
-            return result(Outcome.TIMEOUT, f"no complete answer within {self.timeout:g} s")
-        except BodyTooLarge as exc:
-            return result(Outcome.INVALID, f"answer too large ({exc})")
-        except httpx.TransportError as exc:
-            kind, reason = _describe_transport_error(exc)
-            return result(Outcome.REFUSED if kind == "refused" else Outcome.ERROR, reason)
+        answer = await self._exchange(
+            request.method,
+            request.path,
+            json_body=request.body,
+            headers={"X-Request-Id": request.request_id},
+        )
+        if isinstance(answer, NoAnswer):
+            return result(CANARY_OUTCOME[answer.failure], answer.reason)
         status = answer.status
         if 300 <= status < 400:
             where = f" to {answer.location}" if answer.location else ""
@@ -171,17 +206,9 @@ class EngineClient:
         def result(probe: Probe, reason: str) -> RegistrationResult:
             return RegistrationResult(probe, reason, started, self.clock())
 
-        try:
-            answer = await self._exchange("GET", path)
-        except TimeoutError:
-            return result(Probe.TIMEOUT, f"GET {path}: no answer within {self.timeout:g} s")
-        except BodyTooLarge as exc:
-            return result(Probe.ERROR, f"GET {path}: answer too large ({exc})")
-        except httpx.TransportError as exc:
-            kind, reason = _describe_transport_error(exc)
-            return result(
-                Probe.REFUSED if kind == "refused" else Probe.ERROR, f"GET {path}: {reason}"
-            )
+        answer = await self._exchange("GET", path)
+        if isinstance(answer, NoAnswer):
+            return result(REGISTRATION_PROBE[answer.failure], f"GET {path}: {answer.reason}")
         if answer.status == 200:
             return result(Probe.OK, f"GET {path} -> 200")
         text = _error_text(answer.body)
@@ -192,14 +219,9 @@ class EngineClient:
     async def served_model(self) -> tuple[str | None, str]:
         """(model, reason): the first model GET /v1/models lists, or None and why not."""
         path = "/v1/models"
-        try:
-            answer = await self._exchange("GET", path)
-        except TimeoutError:
-            return None, f"GET {path}: no answer within {self.timeout:g} s"
-        except BodyTooLarge as exc:
-            return None, f"GET {path}: answer too large ({exc})"
-        except httpx.TransportError as exc:
-            return None, f"GET {path}: {_describe_transport_error(exc)[1]}"
+        answer = await self._exchange("GET", path)
+        if isinstance(answer, NoAnswer):
+            return None, f"GET {path}: {answer.reason}"
         if answer.status != 200:
             return None, f"GET {path} -> {answer.status}: {_error_text(answer.body)}"
         try:

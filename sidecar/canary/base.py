@@ -12,6 +12,19 @@ from sidecar.config import Backend, Mode, ModelType
 PROMPT_TOKEN_IDS: tuple[int, ...] = (100, 101, 102, 103, 104, 105, 106, 107)
 
 
+def token_completion_body(model: str | None, max_tokens: int) -> dict[str, Any]:
+    """A greedy OpenAI-style completion of the token-id prompt that generates exactly
+    ``max_tokens`` tokens (vLLM, TensorRT-LLM)."""
+    return {
+        "model": model,
+        "prompt": list(PROMPT_TOKEN_IDS),
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": False,
+    }
+
+
 @dataclass(frozen=True)
 class CanaryRequest:
     """One canary, exactly as it goes on the wire."""

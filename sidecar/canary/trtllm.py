@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from sidecar.canary.base import PROMPT_TOKEN_IDS, Prober, Role
+from sidecar.canary.base import Prober, Role, token_completion_body
 from sidecar.config import Backend, Mode
 
 LOCAL_PREFILL_AND_DECODE = {"request_type": "context_and_generation"}
@@ -32,14 +32,8 @@ class TrtllmProber(Prober):
 
     def body(self, role: Role, model: str | None, request_id: str) -> tuple[dict[str, Any], int]:
         tokens = 1
-        body: dict[str, Any] = {
-            "model": model,
-            "prompt": list(PROMPT_TOKEN_IDS),
-            "max_tokens": tokens,
-            "temperature": 0,
-            "ignore_eos": True,
-            "stream": False,
-        }
+        # No request_id field: trtllm-serve's request models may forbid unknown fields.
+        body = token_completion_body(model, tokens)
         if role.mode in (Mode.PREFILL, Mode.DECODE):
             body["disaggregated_params"] = dict(LOCAL_PREFILL_AND_DECODE)
         return body, tokens

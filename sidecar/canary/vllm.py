@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from sidecar.canary.base import PROMPT_TOKEN_IDS, Prober, Role
+from sidecar.canary.base import Prober, Role, token_completion_body
 from sidecar.config import Backend, Mode, ModelType
 
 
@@ -39,12 +39,4 @@ class VllmProber(Prober):
 
     def body(self, role: Role, model: str | None, request_id: str) -> tuple[dict[str, Any], int]:
         tokens = 1
-        return {
-            "model": model,
-            "prompt": list(PROMPT_TOKEN_IDS),
-            "max_tokens": tokens,
-            "temperature": 0,
-            "ignore_eos": True,
-            "stream": False,
-            "request_id": request_id,
-        }, tokens
+        return token_completion_body(model, tokens) | {"request_id": request_id}, tokens
