@@ -24,10 +24,18 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "command",
         nargs="?",
-        choices=["serve", "demo"],
+        choices=["serve", "demo", "probes"],
         default="serve",
         help="serve (default): run the sidecar; demo: run it against the engine at "
-        "SIDECAR_ENGINE_URL, or a bundled fake engine when none answers there",
+        "SIDECAR_ENGINE_URL, or a bundled fake engine when none answers there; probes: print "
+        "the engine container's Kubernetes probes sized from this configuration",
+    )
+    parser.add_argument(
+        "--max-load-seconds",
+        type=float,
+        default=7200.0,
+        metavar="S",
+        help="with probes: the longest the engine may take to load its model (default 7200)",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     parser.add_argument(
@@ -69,6 +77,11 @@ def main(argv: list[str] | None = None) -> int:
         from sidecar.plan import render
 
         print(render(settings))
+        return 0
+    if args.command == "probes":
+        from sidecar.probes import render as render_probes
+
+        print(render_probes(settings, args.max_load_seconds))
         return 0
     _configure_logging(settings)
     from sidecar.server import run
