@@ -60,7 +60,7 @@ class LogLevel(StrEnum):
     ERROR = "ERROR"
 
 
-def _seconds(name: str, default: float, description: str) -> Any:
+def _seconds(name: str, default: float | None, description: str) -> Any:
     return Field(
         default,
         validation_alias=name,
@@ -236,6 +236,35 @@ class Settings(BaseSettings):
         "(vllm, trtllm, openai) or /v1/models (sglang, whose /health runs a generation).",
         "a URL path starting with /",
     )
+    progress_enabled: bool = _env(
+        "SIDECAR_PROGRESS_ENABLED",
+        True,
+        "With canaries on, also read the engine's Prometheus metrics: advancing counters prove "
+        "health (no canary is sent to a busy, progressing engine); work in flight with no "
+        "progress for SIDECAR_STALL_WINDOW is a hang.",
+        "true or false",
+    )
+    metrics_path: str | None = _env(
+        "SIDECAR_METRICS_PATH",
+        None,
+        "Engine route of its Prometheus metrics. Unset: /metrics (trtllm: /prometheus/metrics).",
+        "a URL path starting with /",
+    )
+    metrics_interval: float = _seconds(
+        "SIDECAR_METRICS_INTERVAL", 1.0, "Seconds between reads of the engine's metrics."
+    )
+    stall_window: float | None = _seconds(
+        "SIDECAR_STALL_WINDOW",
+        None,
+        "Seconds with requests in flight and no counter advancing before the endpoint is "
+        "notready as stalled. Unset: DYN_HEALTH_CHECK_REQUEST_TIMEOUT + 2 s.",
+    )
+    drain_timeout: float = _seconds(
+        "SIDECAR_DRAIN_TIMEOUT",
+        20.0,
+        "After SIGTERM: readiness is 'draining' (503), /live stays 200, and the sidecar keeps "
+        "serving until the engine is gone or this many seconds have passed, then exits 0.",
+    )
     canary_path: str | None = _env(
         "SIDECAR_CANARY_PATH",
         None,
@@ -310,7 +339,13 @@ class Settings(BaseSettings):
             return MODE_ALIASES.get(value, value)
         return value
 
-    @field_validator("health_path", "live_path", "registration_path", "canary_path")
+    @property
+    def effective_stall_window(self) -> float:
+        if self.stall_window is not None:
+            return self.stall_window
+        return self.request_timeout + 2.0
+
+    @field_validator("health_path", "live_path", "registration_path", "canary_path", "metrics_path")
     @classmethod
     def _path(cls, value: str | None) -> str | None:
         if value is not None and (

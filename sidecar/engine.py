@@ -216,6 +216,15 @@ class EngineClient:
             Probe.STATUS, f"GET {path} -> {answer.status}" + (f": {text}" if text else "")
         )
 
+    async def metrics_text(self, path: str) -> tuple[str | None, str]:
+        """(text, reason): the engine's Prometheus exposition, or None and why not."""
+        answer = await self._exchange("GET", path)
+        if isinstance(answer, NoAnswer):
+            return None, f"GET {path}: {answer.reason}"
+        if answer.status != 200:
+            return None, f"GET {path} -> {answer.status}"
+        return answer.body.decode("utf-8", "replace"), f"GET {path} -> 200"
+
     async def served_model(self) -> tuple[str | None, str]:
         """(model, reason): the first model GET /v1/models lists, or None and why not."""
         path = "/v1/models"

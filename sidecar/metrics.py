@@ -20,7 +20,7 @@ from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
 
 from sidecar import __version__
-from sidecar.rules import CanaryResult, Outcome, endpoint_verdict
+from sidecar.rules import CanaryResult, Outcome, endpoint_verdict, engine_disagrees
 from sidecar.state import Health, Listener
 
 PREFIX = "health_sidecar"
@@ -79,7 +79,38 @@ class _VerdictCollector(Collector):
             failures.add_metric([name], state.consecutive_failures)
             if state.last_success_wall is not None:
                 last_success.add_metric([name], state.last_success_wall)
+        in_flight = GaugeMetricFamily(
+            f"{PREFIX}_engine_in_flight_requests",
+            "Requests running or waiting in the engine, from its own metrics.",
+            labels=["endpoint"],
+        )
+        stalled = GaugeMetricFamily(
+            f"{PREFIX}_engine_stalled",
+            "1 while work is in flight and no engine progress counter advances.",
+            labels=["endpoint"],
+        )
+        disagrees = GaugeMetricFamily(
+            f"{PREFIX}_engine_health_disagrees",
+            "1 while the engine's own health route answers 200 but the sidecar finds it hung.",
+            labels=["endpoint"],
+        )
+        last_progress = GaugeMetricFamily(
+            f"{PREFIX}_last_progress_timestamp_seconds",
+            "Unix time the engine's progress counters last advanced.",
+            labels=["endpoint"],
+        )
+        for name, state in health.endpoints.items():
+            if state.in_flight is not None:
+                in_flight.add_metric([name], state.in_flight)
+            stalled.add_metric([name], state.stalled)
+            disagrees.add_metric([name], engine_disagrees(state))
+            if state.last_progress_wall is not None:
+                last_progress.add_metric([name], state.last_progress_wall)
         yield from (ready, registered, failures, last_success)
+        yield from (in_flight, stalled, disagrees, last_progress)
+        yield GaugeMetricFamily(
+            f"{PREFIX}_draining", "1 after SIGTERM, while draining.", value=health.draining
+        )
 
 
 class Metrics:
@@ -104,12 +135,21 @@ class Metrics:
             ["endpoint", "to"],
             registry=self.registry,
         )
+        self.disagreements = Counter(
+            f"{PREFIX}_engine_health_disagreements",
+            "Times the engine's own health route answered 200 while the sidecar found it hung.",
+            ["endpoint"],
+            registry=self.registry,
+        )
         for name in health.endpoints:
+            self.disagreements.labels(name)
             for outcome in Outcome:
                 self.canaries.labels(name, outcome.value)
             self.latency.labels(name)
         self.registry.register(_VerdictCollector(health))
-        health.listeners.append(Listener(self._on_canary, self._on_transition))
+        health.listeners.append(
+            Listener(self._on_canary, self._on_transition, self.disagreements_inc)
+        )
 
     def _on_canary(self, endpoint: str, result: CanaryResult) -> None:
         self.canaries.labels(endpoint, result.outcome.value).inc()
@@ -117,6 +157,9 @@ class Metrics:
 
     def _on_transition(self, endpoint: str, to: str) -> None:
         self.transitions.labels(endpoint, to).inc()
+
+    def disagreements_inc(self, endpoint: str) -> None:
+        self.disagreements.labels(endpoint).inc()
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

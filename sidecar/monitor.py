@@ -15,13 +15,15 @@ import uuid
 
 from sidecar.canary import CanaryPlan
 from sidecar.engine import EngineClient
-from sidecar.rules import Probe, RegistrationResult
+from sidecar.progress import MetricsUnreadable, ProgressSpec, read_progress
+from sidecar.rules import Probe, RegistrationResult, canary_due
 from sidecar.state import Health
 
 log = logging.getLogger("sidecar.monitor")
 
 
-async def _wait(event: asyncio.Event, seconds: float | None) -> None:
+async def wait_event(event: asyncio.Event, seconds: float | None) -> None:
+    """Wait until the event is set or the seconds have passed (None: no limit)."""
     with contextlib.suppress(TimeoutError):
         async with asyncio.timeout(seconds):
             await event.wait()
@@ -34,11 +36,15 @@ class Monitor:
         client: EngineClient,
         registration_path: str,
         registration_interval: float,
+        progress: ProgressSpec | None = None,
+        metrics_interval: float = 1.0,
     ) -> None:
         self.health = health
         self.client = client
         self.registration_path = registration_path
         self.registration_interval = registration_interval
+        self.progress = progress
+        self.metrics_interval = metrics_interval
 
     async def run(self) -> None:
         """Run until cancelled. An unexpected error in any loop propagates (and stops the rest)."""
@@ -47,6 +53,10 @@ class Monitor:
                 group.create_task(self._registration_loop(name, plan), name=f"registration:{name}")
                 if plan.enabled:
                     group.create_task(self._canary_loop(name, plan), name=f"canary:{name}")
+                if self.progress is not None:
+                    group.create_task(
+                        self._progress_loop(name, self.progress), name=f"progress:{name}"
+                    )
 
     def _needs_discovery(self, name: str, plan: CanaryPlan) -> bool:
         return (
@@ -78,15 +88,42 @@ class Monitor:
         while True:
             changed = self.health.changed()
             state = self.health.endpoints[name]
-            due = state.next_canary_due
+            due = canary_due(state)
             if due is None:
-                await _wait(changed, None)
+                await wait_event(changed, None)
                 continue
             delay = due - self.health.clock()
             if delay > 0:
-                await _wait(changed, delay)
+                await wait_event(changed, delay)
                 continue
             request = plan.request(self.health.models[name], f"canary-{uuid.uuid4()}")
             log.debug("%s: sending canary %s", name, request.request_id)
             result = await self.client.canary(plan, request)
             self.health.record_canary(name, result, state.incarnation)
+
+    async def _progress_loop(self, name: str, spec: ProgressSpec) -> None:
+        loop = asyncio.get_running_loop()
+        unreadable: str | None = None
+        while True:
+            started = loop.time()
+            text, why = await self.client.metrics_text(spec.path)
+            sample = None
+            if text is not None:
+                try:
+                    sample = read_progress(text, spec, self.health.clock())
+                except MetricsUnreadable as exc:
+                    why = f"GET {spec.path}: {exc}"
+                else:
+                    if sample.in_flight is None and sample.counters is None:
+                        why = f"GET {spec.path}: none of the backend's progress metrics"
+                        sample = None
+            if (sample is None) != (unreadable is not None):
+                if sample is None:
+                    log.info(
+                        "%s: engine progress unknown (%s); the canary alone decides", name, why
+                    )
+                else:
+                    log.info("%s: reading engine progress from %s", name, spec.path)
+                unreadable = why if sample is None else None
+            self.health.record_progress(name, sample)
+            await asyncio.sleep(max(0.0, started + self.metrics_interval - loop.time()))

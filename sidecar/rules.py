@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from enum import StrEnum
 
 from sidecar.config import StartingStatus
+from sidecar.progress import ProgressSample
 
 
 class Outcome(StrEnum):
@@ -85,6 +86,7 @@ class Policy:
     wait: float = 10.0
     retry: float = 1.0
     liveness_window: float = 120.0
+    stall_window: float = 5.0
 
 
 @dataclass(frozen=True)
@@ -106,6 +108,18 @@ class EndpointState:
     last_success_wall: float | None = None
     next_canary_due: float | None = None  # monotonic; None: nothing to send until registered
     hard_failure_since: float | None = None  # monotonic start of an unbroken hard-failure run
+    # From the engine's own metrics (None: not read, or not published).
+    in_flight: float | None = None
+    last_sample_at: float | None = None  # monotonic time of the last metrics read
+    progress_total: float | None = None
+    # The counters last advanced between two reads: after ``progress_after`` (the earlier read)
+    # and by ``progress_seen`` (the later one). Monotonic; wall clock for display.
+    progress_after: float | None = None
+    progress_seen: float | None = None
+    last_progress_wall: float | None = None
+    quiet_since: float | None = None  # busy and no progress since then
+    stalled: bool = False
+    stalled_for: float = 0.0  # seconds without progress at the last read, while stalled
 
 
 @dataclass(frozen=True)
@@ -150,6 +164,20 @@ def on_canary(
     """Apply one canary's result with hysteresis. Results from an older incarnation are dropped."""
     if incarnation != state.incarnation or not state.registered:
         return state
+    if (
+        result.outcome is Outcome.TIMEOUT
+        and state.progress_after is not None
+        and state.progress_after >= result.started
+    ):
+        # Queued behind work while the engine kept computing: busy, not hung.
+        return replace(
+            state,
+            last_canary=result,
+            next_canary_due=state.progress_after + policy.wait,
+            canary_reason=state.canary_reason
+            if state.canary_ready
+            else "canary timed out behind work while the engine progressed (not counted)",
+        )
     if result.outcome is Outcome.SUCCESS:
         successes = state.consecutive_successes + 1
         ready = state.canary_ready or successes >= policy.success_threshold
@@ -174,7 +202,7 @@ def on_canary(
     if ready:
         reason += f" ({failures} of {policy.failure_threshold} failures before notready)"
     hard_since = _first(state.hard_failure_since, result.started) if result.hard else None
-    return replace(
+    failed = replace(
         state,
         verdict_known=True,
         canary_ready=ready,
@@ -185,6 +213,108 @@ def on_canary(
         next_canary_due=max(result.started + policy.retry, result.finished),
         hard_failure_since=hard_since,
     )
+    return _corroborate(failed, policy)
+
+
+def _corroborate(state: EndpointState, policy: Policy) -> EndpointState:
+    """A canary timed out, and a read of the engine's metrics since it was sent shows work in
+    flight and no counter advanced: not one slow canary but a stuck engine. The failure
+    threshold, there to absorb a slow canary, does not apply."""
+    last = state.last_canary
+    if (
+        not state.canary_ready
+        or last is None
+        or last.outcome is not Outcome.TIMEOUT
+        or state.consecutive_failures == 0
+        or not state.in_flight
+        or state.last_sample_at is None
+        or state.last_sample_at < last.started
+        or (state.progress_seen is not None and state.progress_seen >= last.started)
+    ):
+        return state
+    return replace(
+        state,
+        canary_ready=False,
+        consecutive_failures=max(state.consecutive_failures, policy.failure_threshold),
+        canary_reason=f"canary timeout: {last.reason}, with {state.in_flight:g} requests in "
+        "flight and no engine progress since it was sent",
+    )
+
+
+def on_progress(
+    state: EndpointState, sample: ProgressSample | None, policy: Policy, wall: float
+) -> EndpointState:
+    """Apply one read of the engine's metrics (None: it could not be read).
+
+    Counters that advance prove health: a ready endpoint stays ready and its next canary is put
+    off; a notready one turns ready, since real work just completed. Requests in flight with no
+    counter advancing for ``policy.stall_window`` is a hang ("stalled"), found without queuing a
+    canary behind the stuck work.
+    """
+    if sample is None:
+        return replace(state, in_flight=None, quiet_since=None, stalled=False, stalled_for=0.0)
+    previous = state.progress_total
+    advanced = sample.counters is not None and previous is not None and sample.counters > previous
+    busy = bool(sample.in_flight)
+    changes: dict[str, object] = {
+        "in_flight": sample.in_flight,
+        "progress_total": sample.counters,
+        "last_sample_at": sample.at,
+    }
+    if busy:
+        quiet_since = sample.at if advanced or state.quiet_since is None else state.quiet_since
+        stalled = not advanced and sample.at - quiet_since >= policy.stall_window
+        changes |= {
+            "quiet_since": quiet_since,
+            "stalled": stalled,
+            "stalled_for": sample.at - quiet_since if stalled else 0.0,
+        }
+    else:
+        stalled = False
+        changes |= {"quiet_since": None, "stalled": False}
+    if stalled:
+        changes["hard_failure_since"] = _first(state.hard_failure_since, quiet_since)
+    elif state.stalled and not advanced:
+        changes["hard_failure_since"] = None  # the work drained: no longer stuck
+    if advanced:
+        after = state.last_sample_at if state.last_sample_at is not None else sample.at
+        changes |= {"progress_after": after, "progress_seen": sample.at, "last_progress_wall": wall}
+        if state.registered:
+            due = state.next_canary_due
+            changes |= {
+                "verdict_known": True,
+                "canary_ready": True,
+                "canary_reason": f"engine progressing ({sample.describe()}); counters advanced",
+                "consecutive_failures": 0,
+                "hard_failure_since": None,
+                "next_canary_due": None if due is None else max(due, after + policy.wait),
+            }
+    return _corroborate(replace(state, **changes), policy)  # type: ignore[arg-type]
+
+
+def canary_due(state: EndpointState) -> float | None:
+    """When the next canary may go out; None while there is nothing to send: not registered, no
+    canary, or work in flight (a canary would only queue behind it; the stall rule watches)."""
+    if not state.has_canary or not state.registered or state.in_flight:
+        return None
+    return state.next_canary_due
+
+
+def engine_disagrees(state: EndpointState) -> bool:
+    """The engine's own health route says 200 while the canary or the stall rule says hung:
+    the blind spot of vLLM's and TensorRT-LLM's /health."""
+    if not state.registered:
+        return False
+    if state.stalled:
+        return True
+    last = state.last_canary
+    return (
+        state.has_canary
+        and state.verdict_known
+        and not state.canary_ready
+        and last is not None
+        and last.hard
+    )
 
 
 def endpoint_verdict(state: EndpointState) -> Verdict:
@@ -194,20 +324,31 @@ def endpoint_verdict(state: EndpointState) -> Verdict:
     if not state.registered:
         why = state.registration.reason if state.registration else "not checked yet"
         return Verdict(False, f"engine not registered: {why}")
+    lie = "; the engine's own health route still answers 200" if engine_disagrees(state) else ""
+    if state.stalled and state.quiet_since is not None:
+        return Verdict(
+            False,
+            f"stalled: {state.in_flight or 0:g} requests in flight and no progress counter "
+            f"advanced for {state.stalled_for:.1f} s{lie}",
+        )
     if state.has_canary:
-        return Verdict(state.canary_ready, state.canary_reason)
+        return Verdict(
+            state.canary_ready, state.canary_reason + ("" if state.canary_ready else lie)
+        )
     return Verdict(True, f"registered; no canary ({state.canary_why})")
 
 
 class Rule(StrEnum):
     """Which rule decided readiness; reported in /health as "rule"."""
 
+    DRAINING = "draining"  # shutting down: SIGTERM received
     LISTED = "listed_endpoints"  # DYN_SYSTEM_USE_ENDPOINT_HEALTH_STATUS is set
     MONITORED = "monitored_endpoints"
     STARTING = "starting_status"  # an endpoint had no verdict yet
 
 
 RULE_TEXT = {
+    Rule.DRAINING: "shutting down: notready while in-flight work drains",
     Rule.LISTED: "ready iff every endpoint in DYN_SYSTEM_USE_ENDPOINT_HEALTH_STATUS is ready",
     Rule.MONITORED: "ready iff every monitored endpoint is ready",
     Rule.STARTING: "an endpoint has no verdict yet: DYN_SYSTEM_STARTING_HEALTH_STATUS decides",
@@ -222,7 +363,11 @@ class Readiness:
 
 
 def decide_readiness(
-    verdicts: Mapping[str, Verdict], listed: tuple[str, ...], starting: StartingStatus
+    verdicts: Mapping[str, Verdict],
+    listed: tuple[str, ...],
+    starting: StartingStatus,
+    *,
+    draining: bool = False,
 ) -> Readiness:
     """The one readiness rule.
 
@@ -230,6 +375,8 @@ def decide_readiness(
     monitored endpoint when the list is empty. The worker is ready iff each of them is ready. An
     endpoint with no verdict yet counts as DYN_SYSTEM_STARTING_HEALTH_STATUS says.
     """
+    if draining:
+        return Readiness(False, Rule.DRAINING, "draining: SIGTERM received")
     rule = Rule.LISTED if listed else Rule.MONITORED
     names = listed or tuple(verdicts)
     undecided = [n for n in names if verdicts[n].ready is None]

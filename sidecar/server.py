@@ -13,7 +13,7 @@ import contextlib
 import logging
 import signal
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import uvicorn
 from fastapi import FastAPI
@@ -23,7 +23,7 @@ from sidecar.canary import CanaryPlan, plan_canary
 from sidecar.config import Settings
 from sidecar.engine import EngineClient
 from sidecar.metrics import Metrics
-from sidecar.monitor import Monitor
+from sidecar.monitor import Monitor, wait_event
 from sidecar.state import Health
 
 log = logging.getLogger("sidecar")
@@ -70,9 +70,37 @@ async def serve(settings: Settings) -> int:
     server = _Server(config)
     loop = asyncio.get_running_loop()
 
-    def stop(sig: signal.Signals) -> None:
-        log.info("received %s: shutting down", sig.name)
+    drain_task: asyncio.Task[None] | None = None
+
+    async def drain() -> None:
+        """Readiness 503 at once; keep serving until the engine is gone or the grace ends."""
+        parts.health.start_draining()
+        deadline = loop.time() + settings.drain_timeout
+        while not parts.health.engine_gone():
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                log.info(
+                    "drain: %g s passed with the engine still up; exiting", settings.drain_timeout
+                )
+                break
+            await wait_event(parts.health.changed(), remaining)
+        else:
+            log.info("drain: the engine is gone; exiting")
         server.should_exit = True
+
+    def stop(sig: signal.Signals) -> None:
+        nonlocal drain_task
+        if drain_task is None:
+            log.info(
+                "received %s: draining (readiness 503, liveness 200) until the engine is gone, "
+                "at most %g s",
+                sig.name,
+                settings.drain_timeout,
+            )
+            drain_task = loop.create_task(drain(), name="drain")
+        else:
+            log.info("received %s again: exiting now", sig.name)
+            server.should_exit = True
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop, sig)
@@ -84,7 +112,18 @@ async def serve(settings: Settings) -> int:
         api_key=settings.engine_api_key.get_secret_value() if settings.engine_api_key else None,
         clock=parts.health.clock,
     )
-    monitor = Monitor(parts.health, client, parts.registration_path, settings.registration_interval)
+    watch_progress = settings.health_check_enabled and settings.progress_enabled
+    spec = parts.plan.prober.progress
+    if settings.metrics_path is not None:
+        spec = replace(spec, path=settings.metrics_path)
+    monitor = Monitor(
+        parts.health,
+        client,
+        parts.registration_path,
+        settings.registration_interval,
+        progress=spec if watch_progress else None,
+        metrics_interval=settings.metrics_interval,
+    )
     log.info(
         "health-sidecar serving http://%s:%d (%s, %s): engine %s, canary %s",
         settings.system_host,
@@ -112,6 +151,9 @@ async def serve(settings: Settings) -> int:
             code = 1
         await server_task
     finally:
+        if drain_task is not None:
+            drain_task.cancel()
+            await asyncio.gather(drain_task, return_exceptions=True)
         monitor_task.cancel()
         await asyncio.gather(monitor_task, return_exceptions=True)
         await client.aclose()

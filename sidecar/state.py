@@ -18,18 +18,22 @@ from typing import Any
 
 from sidecar.canary import CanaryPlan
 from sidecar.config import Settings, StartingStatus
+from sidecar.progress import ProgressSample
 from sidecar.rules import (
     RULE_TEXT,
     CanaryResult,
     EndpointState,
     Liveness,
     Policy,
+    Probe,
     Readiness,
     RegistrationResult,
     decide_liveness,
     decide_readiness,
     endpoint_verdict,
+    engine_disagrees,
     on_canary,
+    on_progress,
     on_registration,
 )
 
@@ -43,6 +47,7 @@ def policy_from(settings: Settings) -> Policy:
         wait=settings.canary_wait_time,
         retry=settings.retry_interval,
         liveness_window=settings.liveness_window,
+        stall_window=settings.effective_stall_window,
     )
 
 
@@ -52,6 +57,7 @@ class Listener:
 
     on_canary: Callable[[str, CanaryResult], None]
     on_transition: Callable[[str, str], None]
+    on_disagreement: Callable[[str], None]
 
 
 class Health:
@@ -75,6 +81,8 @@ class Health:
         self._last_ready: bool | None = None
         self._last_live = True
         self._last_verdicts = {n: endpoint_verdict(s).ready for n, s in self.endpoints.items()}
+        self._disagreeing = dict.fromkeys(self.endpoints, False)
+        self.draining = False
 
     # --- writers -------------------------------------------------------------------------------
     def record_registration(self, name: str, result: RegistrationResult) -> None:
@@ -99,6 +107,34 @@ class Health:
             return
         self._commit(name, after)
 
+    def record_progress(self, name: str, sample: ProgressSample | None) -> None:
+        before = self.endpoints[name]
+        after = on_progress(before, sample, self.policy, time.time())
+        if before.stalled != after.stalled:
+            log.info(
+                "%s: engine %s",
+                name,
+                "stalled"
+                if after.stalled
+                else f"no longer stalled ({after.in_flight or 0:g} in flight)",
+            )
+        if after != before:
+            self._commit(name, after)
+
+    def engine_gone(self) -> bool:
+        """Every endpoint's last registration check found nothing listening."""
+        return all(
+            s.registration is not None and s.registration.probe is Probe.REFUSED
+            for s in self.endpoints.values()
+        )
+
+    def start_draining(self) -> None:
+        if not self.draining:
+            self.draining = True
+            self.evaluate()
+            self._changed.set()
+            self._changed = asyncio.Event()
+
     def set_model(self, name: str, model: str | None) -> None:
         if self.models[name] != model:
             log.info("%s: served model is %r (from GET /v1/models)", name, model)
@@ -113,6 +149,13 @@ class Health:
             log.info("%s: endpoint %s: %s", name, label, verdict.reason)
             for listener in self.listeners:
                 listener.on_transition(name, label)
+        disagrees = engine_disagrees(state)
+        if disagrees != self._disagreeing[name]:
+            self._disagreeing[name] = disagrees
+            if disagrees:
+                log.warning("%s: the engine's own health route answers 200 while it is hung", name)
+                for listener in self.listeners:
+                    listener.on_disagreement(name)
         self.evaluate()
         self._changed.set()
         self._changed = asyncio.Event()
@@ -145,6 +188,7 @@ class Health:
             verdicts,
             self.settings.use_endpoint_health_status,
             self.settings.starting_health_status,
+            draining=self.draining,
         )
 
     def liveness(self) -> Liveness:
@@ -215,6 +259,12 @@ class Health:
                 "time": _iso(last.wall_time),
                 "request_id": last.request_id,
             },
+            "engine_health_agrees": not engine_disagrees(state),
+            "in_flight": state.in_flight,
+            "stalled": state.stalled,
+            "last_progress_time": (
+                _iso(state.last_progress_wall) if state.last_progress_wall is not None else None
+            ),
             "last_success_time": (
                 _iso(state.last_success_wall) if state.last_success_wall is not None else None
             ),

@@ -291,9 +291,25 @@ def test_probes_answer_in_milliseconds_while_the_engine_is_frozen(engine, sideca
     assert slowest < 0.25, slowest  # two requests; never a canary's 0.5 s timeout
 
 
-def test_sigterm_exits_zero(engine, sidecar):
+def test_sigterm_drains_until_the_engine_is_gone_then_exits_zero(engine, sidecar):
     fake = engine("vllm", "aggregated")
-    side = sidecar({"SIDECAR_ENGINE_URL": fake.url})
+    side = sidecar(CANARY_ON | {"SIDECAR_ENGINE_URL": fake.url, "SIDECAR_DRAIN_TIMEOUT": "30"})
     side.wait_status(200, 5)
     side.proc.signal(signal.SIGTERM)
-    assert side.proc.popen.wait(5) == 0
+    side.wait_status(503, 1)
+    _status, body = side.health()
+    assert body["rule"] == "draining"
+    assert side.get("/live").status_code == 200
+    assert metric(side.metrics(), "health_sidecar_draining") == 1
+    assert side.proc.popen.poll() is None  # still serving while the engine drains
+    fake.proc.kill()
+    assert side.proc.popen.wait(3) == 0
+
+
+def test_sigterm_exits_zero_when_the_grace_period_ends(engine, sidecar):
+    fake = engine("vllm", "aggregated")
+    side = sidecar({"SIDECAR_ENGINE_URL": fake.url, "SIDECAR_DRAIN_TIMEOUT": "1"})
+    side.wait_status(200, 5)
+    side.proc.signal(signal.SIGTERM)
+    assert side.proc.popen.wait(4) == 0
+    assert "drain: 1 s passed with the engine still up" in side.proc.output()

@@ -16,10 +16,13 @@ from sidecar.rules import (
     RegistrationResult,
     Rule,
     Verdict,
+    canary_due,
     decide_liveness,
     decide_readiness,
     endpoint_verdict,
+    engine_disagrees,
     on_canary,
+    on_progress,
     on_registration,
 )
 
@@ -193,3 +196,129 @@ def test_liveness_without_canary_is_restored_by_registration():
     assert not decide_liveness({"generate": state}, 100, 30).live
     state = on_registration(state, reg(Probe.OK, 101))
     assert decide_liveness({"generate": state}, 102, 30).live
+
+
+# --- engine progress (busy is not hung) -------------------------------------------------------
+
+PROGRESS_POLICY = replace(POLICY, stall_window=5)
+
+
+def sample(at: float, in_flight: float | None, counters: float | None):
+    from sidecar.progress import ProgressSample
+
+    return ProgressSample(in_flight, counters, at)
+
+
+def feed(state: EndpointState, samples) -> EndpointState:
+    for s in samples:
+        state = on_progress(state, s, PROGRESS_POLICY, 1e9 + s.at)
+    return state
+
+
+def test_busy_and_advancing_stays_ready_and_sends_no_canary():
+    state = run(registered(), [S], PROGRESS_POLICY)  # ready, next canary at 10.01
+    state = feed(state, [sample(t, 3, 100 + t) for t in range(1, 30)])
+    assert endpoint_verdict(state).ready is True
+    assert canary_due(state) is None  # work in flight: a canary would only queue behind it
+    assert state.next_canary_due == pytest.approx(28 + 10)  # put off by the last progress
+    assert not state.stalled
+
+
+def test_busy_without_progress_for_the_stall_window_is_stalled():
+    state = run(registered(), [S], PROGRESS_POLICY)
+    state = feed(state, [sample(1, 2, 50), sample(2, 2, 51)])  # progressing
+    state = feed(state, [sample(t, 2, 51) for t in (3, 4, 5, 6)])
+    assert endpoint_verdict(state).ready is True  # quiet for 4 s < 5 s
+    state = feed(state, [sample(7, 2, 51)])
+    verdict = endpoint_verdict(state)
+    assert verdict.ready is False
+    assert verdict.reason.startswith("stalled: 2 requests in flight")
+    assert "own health route still answers 200" in verdict.reason
+    assert engine_disagrees(state)
+    assert state.hard_failure_since == 2
+    assert decide_liveness({"g": state}, 2 + 29, 30).live
+    assert not decide_liveness({"g": state}, 2 + 30, 30).live
+    state = feed(state, [sample(8, 2, 52)])  # it moves again
+    assert endpoint_verdict(state).ready is True
+    assert decide_liveness({"g": state}, 100, 30).live
+
+
+def test_long_prefill_with_moving_counters_never_reads_as_hung():
+    state = run(registered(), [S], PROGRESS_POLICY)
+    # one request in flight for 60 s (12 stall windows); a counter moves every 4 s
+    samples = [sample(t, 1, 1000 + t // 4) for t in range(1, 61)]
+    for s in samples:
+        state = feed(state, [s])
+        assert endpoint_verdict(state).ready is True, s
+    assert decide_liveness({"g": state}, 61, 30).live
+
+
+def test_idle_engine_gets_canaries_on_schedule():
+    state = run(registered(), [S], PROGRESS_POLICY)
+    state = feed(state, [sample(1, 0, 9), sample(2, 0, 9)])
+    assert canary_due(state) == pytest.approx(10.01)
+
+
+def test_canary_timeout_behind_progressing_work_is_excused():
+    state = run(registered(), [S], PROGRESS_POLICY)
+    state = feed(state, [sample(20, 1, 10)])
+    state = on_canary(state, canary(F, t=20.5, latency=0.5), 1, PROGRESS_POLICY)
+    state = feed(state, [sample(21, 1, 11), sample(22, 1, 12)])
+    state = on_canary(state, canary(F, t=21.5, latency=3), 1, PROGRESS_POLICY)
+    assert state.consecutive_failures == 1  # the second timeout overlapped progress
+    assert endpoint_verdict(state).ready is True
+
+
+def test_canary_timeout_with_work_in_flight_and_no_progress_is_hung_at_once():
+    state = run(registered(), [S], PROGRESS_POLICY)
+    state = feed(state, [sample(10, 0, 9)])
+    state = on_canary(state, canary(F, t=11, latency=0.5), 1, PROGRESS_POLICY)
+    assert endpoint_verdict(state).ready is True  # 1 of 2 failures
+    state = feed(state, [sample(11.8, 1, 9)])  # the canary is stuck in the engine
+    verdict = endpoint_verdict(state)
+    assert verdict.ready is False
+    assert "no engine progress since it was sent" in verdict.reason
+
+
+def test_progress_after_a_hang_recovers_without_waiting_for_an_idle_canary():
+    state = run(registered(), [S, F, F], PROGRESS_POLICY)
+    assert endpoint_verdict(state).ready is False
+    state = feed(state, [sample(30, 4, 100), sample(31, 4, 120)])
+    assert endpoint_verdict(state).ready is True
+    assert state.consecutive_failures == 0
+
+
+def test_unreadable_metrics_fall_back_to_the_canary():
+    state = run(registered(), [S], PROGRESS_POLICY)
+    state = feed(state, [sample(1, 3, 10), sample(2, 3, 11)])
+    assert canary_due(state) is None
+    state = on_progress(state, None, PROGRESS_POLICY, 0)
+    assert canary_due(state) is not None
+
+
+def test_draining_rule_wins():
+    decision = decide_readiness({"generate": R}, (), NOTREADY, draining=True)
+    assert (decision.ready, decision.rule) == (False, Rule.DRAINING)
+
+
+def test_read_progress_sums_samples_by_exposition_name():
+    from sidecar.canary.vllm import VllmProber
+    from sidecar.progress import read_progress
+
+    text = """# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 2.0
+vllm:num_requests_running{engine="1",model_name="m"} 1.0
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="m"} 4.0
+# TYPE vllm:generation_tokens counter
+vllm:generation_tokens_total{model_name="m"} 100.0
+# TYPE vllm:iteration_tokens_total histogram
+vllm:iteration_tokens_total_bucket{le="1.0",model_name="m"} 3.0
+vllm:iteration_tokens_total_bucket{le="+Inf",model_name="m"} 7.0
+vllm:iteration_tokens_total_count{model_name="m"} 7.0
+vllm:iteration_tokens_total_sum{model_name="m"} 70.0
+"""
+    got = read_progress(text, VllmProber.progress, 5.0)
+    assert (got.in_flight, got.counters, got.at) == (7.0, 107.0, 5.0)
+    empty = read_progress("# nothing here\n", VllmProber.progress, 1.0)
+    assert (empty.in_flight, empty.counters) == (None, None)

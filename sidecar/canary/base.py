@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from sidecar.config import Backend, Mode, ModelType
+from sidecar.progress import ProgressSpec
 
 # Eight ordinary token ids: valid in every real vocabulary, and shorter than one KV block
 # (16 tokens in vLLM and SGLang by default), so a prefill never pins a full block.
@@ -56,6 +57,8 @@ class Prober:
     registration_path: ClassVar[str]
     # Whether the body names the served model (then it is discovered from GET /v1/models).
     needs_model: ClassVar[bool] = True
+    # Where the engine publishes Prometheus metrics, and which samples show work and progress.
+    progress: ClassVar[ProgressSpec]
 
     def skip_reason(self, role: Role) -> str | None:
         """Why this role gets no built-in canary, or None when it gets one."""

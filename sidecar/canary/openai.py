@@ -11,12 +11,25 @@ from typing import Any, ClassVar
 
 from sidecar.canary.base import Prober, Role, completion_problem
 from sidecar.config import Backend
+from sidecar.progress import ProgressSpec
 
 
 class OpenAIProber(Prober):
     backend: ClassVar[Backend] = Backend.OPENAI
     generation_path: ClassVar[str] = "/v1/completions"
     registration_path: ClassVar[str] = "/health"
+    # llama.cpp's llama-server (started with --metrics); other servers publish none of these,
+    # and then the canary alone decides.
+    progress: ClassVar[ProgressSpec] = ProgressSpec(
+        path="/metrics",
+        running=("llamacpp:requests_processing",),
+        waiting=("llamacpp:requests_deferred",),
+        counters=(
+            "llamacpp:tokens_predicted_total",
+            "llamacpp:prompt_tokens_total",
+            "llamacpp:n_decode_total",
+        ),
+    )
 
     def why(self, role: Role) -> str:
         return "plain 1-token greedy completion (generic OpenAI-compatible server)"

@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 
 from sidecar.canary.base import PROMPT_TOKEN_IDS, Prober, Role
 from sidecar.config import Backend, Mode
+from sidecar.progress import ProgressSpec
 
 FAKE_BOOTSTRAP_HOST = "2.2.2.2"
 
@@ -30,6 +31,12 @@ class SglangProber(Prober):
     # tokenizer manager once the model is loaded, at no cost to the scheduler.
     registration_path: ClassVar[str] = "/v1/models"
     needs_model: ClassVar[bool] = False
+    progress: ClassVar[ProgressSpec] = ProgressSpec(
+        path="/metrics",  # needs --enable-metrics
+        running=("sglang:num_running_reqs",),
+        waiting=("sglang:num_queue_reqs",),
+        counters=("sglang:generation_tokens_total", "sglang:prompt_tokens_total"),
+    )
 
     def __init__(self, bootstrap_port: int = 8998) -> None:
         self.bootstrap_port = bootstrap_port

@@ -13,12 +13,26 @@ from typing import Any, ClassVar
 
 from sidecar.canary.base import Prober, Role, token_completion_body
 from sidecar.config import Backend, Mode, ModelType
+from sidecar.progress import ProgressSpec
 
 
 class VllmProber(Prober):
     backend: ClassVar[Backend] = Backend.VLLM
     generation_path: ClassVar[str] = "/v1/completions"
     registration_path: ClassVar[str] = "/health"
+    progress: ClassVar[ProgressSpec] = ProgressSpec(
+        path="/metrics",
+        running=("vllm:num_requests_running",),
+        waiting=("vllm:num_requests_waiting",),
+        # iteration_tokens_total is a histogram: its _count advances once per engine step, even
+        # inside a long chunked prefill.
+        counters=(
+            "vllm:generation_tokens_total",
+            "vllm:prompt_tokens_total",
+            "vllm:iteration_tokens_total_count",
+            "vllm:iteration_tokens_total",
+        ),
+    )
 
     def skip_reason(self, role: Role) -> str | None:
         if role.mode is Mode.DECODE and role.model_type is ModelType.MULTIMODAL:

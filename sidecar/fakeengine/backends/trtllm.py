@@ -47,8 +47,8 @@ class TrtllmBackend(Backend):
             ),
             counter("trtllm_prompt_tokens", "Prefill tokens processed.", s.prompt_tokens, labels),
             counter("trtllm_generation_tokens", "Tokens generated.", s.generated_tokens, labels),
-            gauge("trtllm_num_active_requests", "Requests in flight.", s.running, labels),
-            gauge("trtllm_num_queued_requests", "Requests queued.", s.waiting, labels),
+            gauge("trtllm_num_requests_running", "Requests running.", s.running, labels),
+            gauge("trtllm_num_requests_waiting", "Requests waiting.", s.waiting, labels),
         ]
 
     def register_native(self, app: FastAPI) -> None:
