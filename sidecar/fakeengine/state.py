@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import time
 from collections import deque
@@ -32,6 +33,7 @@ FAKE_BOOTSTRAP_HOST = "2.2.2.2"
 MAX_RECORDED_REQUESTS = 10_000
 RECORDED_HEADERS = ("x-request-id", "user-agent", "authorization", "content-type")
 DEFAULT_GENERATION_ERROR = "Injected generation failure (fake engine)"
+PREFILL_CHUNK_SECONDS = 0.25
 
 _VOCAB = ("the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "again")
 
@@ -48,6 +50,11 @@ class Faults(BaseModel):
     generation_error: str = DEFAULT_GENERATION_ERROR
     garbage: GarbageKind | None = None
     dead: bool = False
+    # A long prefill before the first token, run as chunks of PREFILL_CHUNK_SECONDS; with
+    # prefill_progress each chunk advances the prompt-token counter (chunked prefill), without it
+    # the counters stand still until the prefill ends (one huge step).
+    prefill_seconds: float = Field(default=0.0, ge=0.0)
+    prefill_progress: bool = True
 
 
 class EngineStopping(Exception):
@@ -166,6 +173,7 @@ class EngineState:
         self.running += 1
         try:
             await self._wait_released()
+            await self._prefill()
             self.prompt_tokens += job.prompt_tokens
             if job.max_tokens == 0:
                 await asyncio.sleep(self.faults.latency)
@@ -177,6 +185,15 @@ class EngineState:
             self.finished_requests += 1
         finally:
             self.running -= 1
+
+    async def _prefill(self) -> None:
+        seconds = self.faults.prefill_seconds
+        chunks = math.ceil(seconds / PREFILL_CHUNK_SECONDS)
+        for _ in range(chunks):
+            await asyncio.sleep(seconds / chunks)
+            await self._wait_released()
+            if self.faults.prefill_progress:
+                self.prompt_tokens += 1
 
     async def generate_all(self, job: Job) -> list[int]:
         return [token async for token in self.generate(job)]
