@@ -31,6 +31,20 @@ def _passes_when(plan: CanaryPlan, settings: Settings) -> str:
     )
 
 
+def _progress_line(plan: CanaryPlan, s: Settings) -> str:
+    if not (s.health_check_enabled and s.progress_enabled):
+        why = "canaries are off" if not s.health_check_enabled else "SIDECAR_PROGRESS_ENABLED=false"
+        return f"progress       engine metrics not read ({why})"
+    spec = plan.prober.progress
+    path = s.metrics_path or spec.path
+    return (
+        f"progress       GET {path} every {s.metrics_interval:g} s: advancing counters prove "
+        "health and hold canaries back while work is in flight; work in flight with no progress "
+        f"for {s.effective_stall_window:g} s is a hang (stalled); in flight = "
+        f"{' + '.join(spec.running + spec.waiting)}"
+    )
+
+
 def render(settings: Settings) -> str:
     plan = plan_canary(settings)
     registration = settings.registration_path or plan.prober.registration_path
@@ -83,6 +97,9 @@ def render(settings: Settings) -> str:
         f"liveness       fails after {s.liveness_window:g} s of uninterrupted hard failure (the "
         "engine accepts connections but does not answer in time, or answers 5xx); never while "
         "it starts, loads, is gone or answers 4xx",
+        _progress_line(plan, s),
+        f"shutdown       on SIGTERM: readiness draining (503), /live 200, until the engine is "
+        f"gone or {s.drain_timeout:g} s have passed; then exit 0",
         f"serving        http://{s.system_host}:{s.system_port}  {s.health_path} (readiness)  "
         f"{s.live_path} (liveness)  /metrics",
     ]
