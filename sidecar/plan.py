@@ -96,7 +96,7 @@ def render(settings: Settings) -> str:
         "(DYN_SYSTEM_STARTING_HEALTH_STATUS)",
         f"liveness       fails after {s.liveness_window:g} s of uninterrupted hard failure (the "
         "engine accepts connections but does not answer in time, or answers 5xx); never while "
-        "it starts, loads, is gone or answers 4xx",
+        "it starts, loads, is gone, or rejects a canary that never passed (4xx)",
         _progress_line(plan, s),
         f"shutdown       on SIGTERM: readiness draining (503), /live 200, until the engine is "
         f"gone or {s.drain_timeout:g} s have passed; then exit 0",

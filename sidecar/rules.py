@@ -64,6 +64,17 @@ class CanaryResult:
             self.status_code is None or self.status_code >= 500
         )
 
+    @property
+    def rejected(self) -> bool:
+        """The engine refused the request itself (4xx), other than for load (408, 429)."""
+        code = self.status_code
+        return (
+            self.outcome is Outcome.ERROR
+            and code is not None
+            and 400 <= code < 500
+            and code not in (408, 429)
+        )
+
 
 @dataclass(frozen=True)
 class RegistrationResult:
@@ -101,6 +112,7 @@ class EndpointState:
     incarnation: int = 0  # +1 each time the engine (re)registers; older canaries are dropped
     verdict_known: bool = False  # False until the first evidence; then DYN_SYSTEM_STARTING_* stops
     canary_ready: bool = False  # the canary's verdict, with hysteresis
+    proven: bool = False  # a canary passed in this incarnation
     canary_reason: str = "no canary has run yet"
     consecutive_failures: int = 0
     consecutive_successes: int = 0
@@ -141,6 +153,7 @@ def on_registration(state: EndpointState, result: RegistrationResult) -> Endpoin
             changes |= {
                 "incarnation": state.incarnation + 1,
                 "canary_ready": False,
+                "proven": False,
                 "canary_reason": "registered; waiting for the first canary",
                 "consecutive_failures": 0,
                 "consecutive_successes": 0,
@@ -188,6 +201,7 @@ def on_canary(
             state,
             verdict_known=True,
             canary_ready=ready,
+            proven=True,
             canary_reason=reason,
             consecutive_failures=0,
             consecutive_successes=successes,
@@ -201,7 +215,11 @@ def on_canary(
     reason = f"canary {result.outcome}: {result.reason}"
     if ready:
         reason += f" ({failures} of {policy.failure_threshold} failures before notready)"
-    hard_since = _first(state.hard_failure_since, result.started) if result.hard else None
+    # A rejection of the very canary that passed before in this incarnation means the engine
+    # changed (a Dynamo worker dropped from discovery answers 404 for its model): a restart can
+    # fix that. A canary rejected from the start is a configuration problem (DIS-1737): it can't.
+    hard = result.hard or (result.rejected and state.proven)
+    hard_since = _first(state.hard_failure_since, result.started) if hard else None
     failed = replace(
         state,
         verdict_known=True,

@@ -322,3 +322,18 @@ vllm:iteration_tokens_total_sum{model_name="m"} 70.0
     assert (got.in_flight, got.counters, got.at) == (7.0, 107.0, 5.0)
     empty = read_progress("# nothing here\n", VllmProber.progress, 1.0)
     assert (empty.in_flight, empty.counters) == (None, None)
+
+
+@pytest.mark.parametrize(
+    ("proven", "status", "live"),
+    [
+        (False, 400, True),  # rejected from the start: a wrong canary, never restart (DIS-1737)
+        (True, 404, False),  # the same canary passed before: the engine changed (Dynamo lease)
+        (True, 429, True),  # load shedding is not a fault
+        (True, 500, False),
+    ],
+)
+def test_rejections_are_hard_only_after_the_canary_passed(proven, status, live):
+    state = run(registered(), [S]) if proven else registered()
+    state = on_canary(state, canary(Outcome.ERROR, t=5, status=status), 1, POLICY)
+    assert decide_liveness({"g": state}, 5 + 30, 30).live is live
