@@ -1,0 +1,204 @@
+"""Real engines for integration tests: llama.cpp's llama-server and NVIDIA Dynamo's mocker.
+
+``scripts/prepare_engines.sh`` builds and caches them and writes their paths to
+``$HEALTH_SIDECAR_CACHE/engines.env`` (default ``~/.cache/health-sidecar``). When an engine is
+missing, tests that need it skip with a message naming the script; under CI (``CI`` set) they
+fail instead, since ``.ci/run`` prepares the engines first.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import tempfile
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.harness import LOOPBACK, Proc, base_env, free_port, wait_until
+
+PREPARE = "scripts/prepare_engines.sh"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("HEALTH_SIDECAR_CACHE", Path.home() / ".cache" / "health-sidecar"))
+
+
+def engine_paths() -> dict[str, str]:
+    env_file = cache_dir() / "engines.env"
+    if not env_file.is_file():
+        return {}
+    paths = {}
+    for line in env_file.read_text().splitlines():
+        key, sep, value = line.partition("=")
+        if sep and not key.startswith("#"):
+            paths[key.strip()] = value.strip()
+    return paths
+
+
+def require(*keys: str) -> dict[str, str]:
+    """The paths of the named artefacts, or skip (fail under CI) naming the script."""
+    paths = engine_paths()
+    missing = [k for k in keys if not paths.get(k) or not Path(paths[k]).exists()]
+    if missing:
+        message = f"real engine missing ({', '.join(missing)}): run {PREPARE}"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    return paths
+
+
+class LlamaServer:
+    """llama.cpp's llama-server on a free loopback port; restartable on the same port."""
+
+    def __init__(self, model: str, *extra: str) -> None:
+        self.paths = require("LLAMA_SERVER_BIN", "TINY_GGUF", "BIG_GGUF")
+        self.model = self.paths.get(model, model)
+        self.extra = list(extra)
+        self.port = free_port()
+        self.proc: Proc | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{LOOPBACK}:{self.port}"
+
+    def start(self, *, wait: bool = True, model: str | None = None) -> LlamaServer:
+        model_path = self.paths.get(model, model) if model else self.model
+        argv = [self.paths["LLAMA_SERVER_BIN"], "-m", model_path, "--alias", "tiny"]
+        argv += ["--host", LOOPBACK, "--port", str(self.port), "-c", "512", "-t", "1"]
+        argv += ["-np", "1", "--metrics", *self.extra]
+        self.proc = Proc(argv, base_env(), "llama-server")
+        if wait:
+            self.wait_ready()
+        return self
+
+    def wait_ready(self, timeout: float = 30) -> None:
+        def ready() -> bool:
+            assert self.proc is not None
+            if self.proc.popen.poll() is not None:
+                raise AssertionError(f"llama-server exited: {self.proc.output()[-2000:]}")
+            with httpx.Client(timeout=1, trust_env=False) as client:
+                return client.get(f"{self.url}/health").status_code == 200
+
+        wait_until(ready, timeout, what="llama-server to load")
+
+    def freeze(self) -> None:
+        assert self.proc is not None
+        self.proc.signal(signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        assert self.proc is not None
+        self.proc.signal(signal.SIGCONT)
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.kill()
+
+    def close(self) -> None:
+        if self.proc is not None:
+            self.proc.stop()
+
+
+class Dynamo:
+    """Dynamo's mocker worker and frontend: file discovery in a private directory, TCP request
+    plane, everything bound to loopback."""
+
+    def __init__(self) -> None:
+        self.paths = require("DYNAMO_PYTHON", "DYNAMO_MODEL_DIR")
+        self.workdir = Path(tempfile.mkdtemp(prefix="dynamo-"))
+        self.system_port = free_port()
+        self.frontend_port = free_port()
+        self.worker: Proc | None = None
+        self.frontend: Proc | None = None
+
+    @property
+    def frontend_url(self) -> str:
+        return f"http://{LOOPBACK}:{self.frontend_port}"
+
+    @property
+    def worker_url(self) -> str:
+        return f"http://{LOOPBACK}:{self.system_port}"
+
+    def _env(self) -> dict[str, str]:
+        return base_env() | {
+            "DYN_FILE_KV": str(self.workdir / "kv"),
+            "DYN_TCP_RPC_HOST": LOOPBACK,
+            "DYN_EVENT_PLANE_HOST": LOOPBACK,
+            "TMPDIR": str(self.workdir),
+        }
+
+    def start(self) -> Dynamo:
+        python, model = self.paths["DYNAMO_PYTHON"], self.paths["DYNAMO_MODEL_DIR"]
+        worker_env = self._env() | {
+            "DYN_SYSTEM_HOST": LOOPBACK,
+            "DYN_SYSTEM_PORT": str(self.system_port),
+            "DYN_SYSTEM_USE_ENDPOINT_HEALTH_STATUS": '["generate"]',
+        }
+        self.worker = Proc(
+            [
+                python,
+                "-m",
+                "dynamo.mocker",
+                "--model-path",
+                model,
+                "--model-name",
+                "tiny",
+                "--discovery-backend",
+                "file",
+                "--request-plane",
+                "tcp",
+            ],
+            worker_env,
+            "dynamo-mocker",
+        )
+        self.frontend = Proc(
+            [
+                python,
+                "-m",
+                "dynamo.frontend",
+                "--http-host",
+                LOOPBACK,
+                "--http-port",
+                str(self.frontend_port),
+                "--discovery-backend",
+                "file",
+                "--request-plane",
+                "tcp",
+            ],
+            self._env(),
+            "dynamo-frontend",
+        )
+        wait_until(self.model_served, 60, interval=0.1, what="the frontend to serve model tiny")
+        return self
+
+    def model_served(self) -> bool:
+        for proc in (self.worker, self.frontend):
+            assert proc is not None
+            if proc.popen.poll() is not None:
+                raise AssertionError(f"{proc.name} exited: {proc.output()[-2000:]}")
+        with httpx.Client(timeout=1, trust_env=False) as client:
+            models = client.get(f"{self.frontend_url}/v1/models").json().get("data", [])
+        return any(m.get("id") == "tiny" for m in models)
+
+    def worker_health(self) -> tuple[int | None, str]:
+        """What the Dynamo worker's own /health answers: (status, body), or (None, error)."""
+        try:
+            with httpx.Client(timeout=1, trust_env=False) as client:
+                answer = client.get(f"{self.worker_url}/health")
+                return answer.status_code, answer.text
+        except httpx.HTTPError as exc:
+            return None, type(exc).__name__
+
+    def frontend_health(self) -> tuple[int | None, str]:
+        try:
+            with httpx.Client(timeout=1, trust_env=False) as client:
+                answer = client.get(f"{self.frontend_url}/health")
+                return answer.status_code, answer.text
+        except httpx.HTTPError as exc:
+            return None, type(exc).__name__
+
+    def close(self) -> None:
+        for proc in (self.frontend, self.worker):
+            if proc is not None:
+                proc.stop()
