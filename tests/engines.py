@@ -135,23 +135,13 @@ class Dynamo:
             "DYN_SYSTEM_PORT": str(self.system_port),
             "DYN_SYSTEM_USE_ENDPOINT_HEALTH_STATUS": '["generate"]',
         }
+        planes = ["--discovery-backend", "file", "--request-plane", "tcp"]
         self.worker = Proc(
-            [
-                python,
-                "-m",
-                "dynamo.mocker",
-                "--model-path",
-                model,
-                "--model-name",
-                "tiny",
-                "--discovery-backend",
-                "file",
-                "--request-plane",
-                "tcp",
-            ],
+            [python, "-m", "dynamo.mocker", "--model-path", model, "--model-name", "tiny", *planes],
             worker_env,
             "dynamo-mocker",
         )
+        port = str(self.frontend_port)
         self.frontend = Proc(
             [
                 python,
@@ -160,11 +150,8 @@ class Dynamo:
                 "--http-host",
                 LOOPBACK,
                 "--http-port",
-                str(self.frontend_port),
-                "--discovery-backend",
-                "file",
-                "--request-plane",
-                "tcp",
+                port,
+                *planes,
             ],
             self._env(),
             "dynamo-frontend",
