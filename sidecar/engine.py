@@ -66,6 +66,8 @@ def _error_text(body: bytes) -> str:
         if err is not None:
             text = err if isinstance(err, str) else json.dumps(err)
     text = " ".join(text.split())
+    if not text:
+        return "(empty body)"
     return text[:ERROR_TEXT_CHARS] + ("..." if len(text) > ERROR_TEXT_CHARS else "")
 
 
@@ -212,9 +214,7 @@ class EngineClient:
         if answer.status == 200:
             return result(Probe.OK, f"GET {path} -> 200")
         text = _error_text(answer.body)
-        return result(
-            Probe.STATUS, f"GET {path} -> {answer.status}" + (f": {text}" if text else "")
-        )
+        return result(Probe.STATUS, f"GET {path} -> {answer.status}: {text}")
 
     async def metrics_text(self, path: str) -> tuple[str | None, str]:
         """(text, reason): the engine's Prometheus exposition, or None and why not."""

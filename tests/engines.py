@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.harness import LOOPBACK, Proc, base_env, free_port, wait_until
+from tests.harness import LOOPBACK, Proc, base_env, free_port, free_port_in, wait_until
 
 PREPARE = "scripts/prepare_engines.sh"
 
@@ -107,7 +107,7 @@ class Dynamo:
     def __init__(self) -> None:
         self.paths = require("DYNAMO_PYTHON", "DYNAMO_MODEL_DIR")
         self.workdir = Path(tempfile.mkdtemp(prefix="dynamo-"))
-        self.system_port = free_port()
+        self.system_port = free_port_in(10000, 32000)  # Dynamo parses it as an i16
         self.frontend_port = free_port()
         self.worker: Proc | None = None
         self.frontend: Proc | None = None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -29,6 +30,19 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((LOOPBACK, 0))
         return int(sock.getsockname()[1])
+
+
+def free_port_in(low: int, high: int) -> int:
+    """A free loopback port in [low, high] (Dynamo's DYN_SYSTEM_PORT is an i16: at most 32767)."""
+    for _ in range(200):
+        port = random.randint(low, high)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((LOOPBACK, port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {low}-{high}")
 
 
 def wait_until(
