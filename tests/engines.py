@@ -124,6 +124,7 @@ class Dynamo:
         return base_env() | {
             "DYN_FILE_KV": str(self.workdir / "kv"),
             "DYN_TCP_RPC_HOST": LOOPBACK,
+            "DYN_TCP_RESPONSE_STREAM_HOST": LOOPBACK,  # else it binds the host's eth0 address
             "DYN_EVENT_PLANE_HOST": LOOPBACK,
             "TMPDIR": str(self.workdir),
         }
