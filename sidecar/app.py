@@ -5,6 +5,9 @@ No route waits on the engine, reads a request body or query string, or changes a
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+from typing import Any
+
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -14,7 +17,26 @@ from sidecar.config import Settings
 from sidecar.metrics import Metrics
 from sidecar.state import Health
 
-PROBE_METHODS = ["GET", "HEAD"]
+
+def probe_route(
+    app: FastAPI,
+    path: str,
+    handler: Callable[[], Awaitable[Response]],
+    summary: str,
+    responses: dict[int | str, dict[str, Any]],
+    response_class: type[Response] = JSONResponse,
+) -> None:
+    """GET and HEAD on ``path``, registered apart so each has its own OpenAPI operationId."""
+    for method in ("GET", "HEAD"):
+        app.add_api_route(
+            path,
+            handler,
+            methods=[method],
+            summary=summary,
+            responses=responses,
+            response_class=response_class,
+            operation_id=f"{handler.__name__}_{method.lower()}",
+        )
 
 
 def create_app(settings: Settings, health: Health, metrics: Metrics) -> FastAPI:
@@ -26,34 +48,43 @@ def create_app(settings: Settings, health: Health, metrics: Metrics) -> FastAPI:
         redoc_url=None,
     )
 
-    @app.api_route(
-        settings.health_path,
-        methods=PROBE_METHODS,
-        summary="Readiness",
-        responses={
-            200: {"description": "Ready: the worker can serve."},
-            503: {"description": "Not ready; the body says which rule decided and why."},
-        },
-    )
     async def readiness() -> JSONResponse:
         ready, body = health.report()
         return JSONResponse(body, status_code=200 if ready else 503)
 
-    @app.api_route(
-        settings.live_path,
-        methods=PROBE_METHODS,
-        summary="Liveness",
-        responses={
-            200: {"description": "Live: no sustained hard failure."},
-            503: {"description": "Sustained hard failure: restarting the engine may help."},
-        },
-    )
     async def liveness() -> JSONResponse:
         live, body = health.live_report()
         return JSONResponse(body, status_code=200 if live else 503)
 
-    @app.get("/metrics", summary="Prometheus metrics", response_class=Response)
     async def prometheus() -> Response:
         return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
+    probe_route(
+        app,
+        settings.health_path,
+        readiness,
+        "Readiness",
+        {
+            200: {"description": "Ready: the worker can serve."},
+            503: {"description": "Not ready; the body says which rule decided and why."},
+        },
+    )
+    probe_route(
+        app,
+        settings.live_path,
+        liveness,
+        "Liveness",
+        {
+            200: {"description": "Live: no sustained hard failure."},
+            503: {"description": "Sustained hard failure: restarting the engine may help."},
+        },
+    )
+    probe_route(
+        app,
+        "/metrics",
+        prometheus,
+        "Prometheus metrics",
+        {200: {"description": "Prometheus text exposition.", "content": {"text/plain": {}}}},
+        response_class=Response,
+    )
     return app

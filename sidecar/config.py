@@ -8,7 +8,9 @@ name one variable, the value it had and what was expected. Nothing falls back si
 
 from __future__ import annotations
 
+import ipaddress
 import json
+import re
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any
@@ -24,6 +26,45 @@ MONITORED_ENDPOINTS: tuple[str, ...] = (GENERATE,)
 
 MAX_SECONDS = 86_400.0
 MAX_VALUE_SHOWN = 80
+# Routes the sidecar serves itself; the probe paths may not take them.
+RESERVED_ROUTES = {"/metrics": "the metrics route", "/openapi.json": "the OpenAPI schema route"}
+_HOST_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
+_TOKEN = re.compile(r"[\x21-\x7e]+")  # visible ASCII: what an HTTP header value can carry
+_CREDENTIALS = re.compile(r"(//)[^/@]*@")
+
+
+def _host_problem(host: str) -> str | None:
+    """None for an IP address or an RFC 1123 host name, else what is wrong."""
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        pass
+    else:
+        return None
+    labels = host.rstrip(".").split(".")
+    if len(host) > 253 or not all(_HOST_LABEL.fullmatch(label) for label in labels):
+        return "not an IP address or host name"
+    return None
+
+
+def _path_problem(path: str) -> str | None:
+    if not path.startswith("/") or "//" in path:
+        return "not a URL path"
+    if any(not (0x21 <= ord(c) <= 0x7E) or c in "?#" for c in path):
+        return "not a URL path (spaces, control characters, non-ASCII, ? and # are not allowed)"
+    return None
+
+
+def _json_loads(text: str) -> Any:
+    """Strict JSON (RFC 8259): no NaN or Infinity; raises ValueError on anything else."""
+
+    def reject(constant: str) -> Any:
+        raise ValueError(f"{constant} is not JSON")
+
+    try:
+        return json.loads(text, parse_constant=reject)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
 
 
 class Backend(StrEnum):
@@ -300,9 +341,9 @@ class Settings(BaseSettings):
     def _parse_endpoint_list(cls, value: Any) -> Any:
         if isinstance(value, str):
             try:
-                value = json.loads(value)
-            except json.JSONDecodeError:
-                raise ValueError("not valid JSON") from None
+                value = _json_loads(value)
+            except ValueError as exc:
+                raise ValueError(f"not valid JSON: {exc}") from None
         if not isinstance(value, list | tuple) or not all(isinstance(v, str) for v in value):
             raise ValueError("not a list of strings")
         unknown = [v for v in value if v not in MONITORED_ENDPOINTS]
@@ -322,14 +363,19 @@ class Settings(BaseSettings):
             path = Path(value[1:])
             try:
                 text = path.read_text(encoding="utf-8")
-            except OSError as exc:
-                raise ValueError(f"cannot read {path}: {exc.strerror or exc}") from None
+            except (OSError, UnicodeDecodeError, ValueError) as exc:
+                why = getattr(exc, "strerror", None) or type(exc).__name__
+                raise ValueError(f"cannot read {str(path)!r}: {why}") from None
         try:
-            parsed = json.loads(text)
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise ValueError("not valid JSON") from None
+            parsed = _json_loads(text)
+        except ValueError as exc:
+            raise ValueError(f"not valid JSON: {' '.join(str(exc).split())}") from None
         if not isinstance(parsed, dict):
             raise ValueError("JSON, but not an object")
+        try:
+            json.dumps(parsed, allow_nan=False, ensure_ascii=False).encode("utf-8")
+        except (ValueError, UnicodeEncodeError, RecursionError):
+            raise ValueError("cannot be sent as a UTF-8 JSON body") from None
         return parsed
 
     @field_validator("disaggregation_mode", mode="before")
@@ -348,10 +394,24 @@ class Settings(BaseSettings):
     @field_validator("health_path", "live_path", "registration_path", "canary_path", "metrics_path")
     @classmethod
     def _path(cls, value: str | None) -> str | None:
-        if value is not None and (
-            not value.startswith("/") or any(c in value for c in "?# \t\r\n") or "//" in value
-        ):
-            raise ValueError("not a URL path")
+        problem = None if value is None else _path_problem(value)
+        if problem:
+            raise ValueError(problem)
+        return value
+
+    @field_validator("system_host")
+    @classmethod
+    def _host(cls, value: str) -> str:
+        problem = _host_problem(value)
+        if problem:
+            raise ValueError(problem)
+        return value
+
+    @field_validator("engine_api_key", mode="before")
+    @classmethod
+    def _token(cls, value: Any) -> Any:
+        if isinstance(value, str) and not _TOKEN.fullmatch(value):
+            raise ValueError("not a token: only visible ASCII characters, no spaces")
         return value
 
     @field_validator("engine_url")
@@ -366,6 +426,10 @@ class Settings(BaseSettings):
             raise ValueError("not an http(s) URL with a host")
         if parts.query or parts.fragment or parts.username or parts.password:
             raise ValueError("has a query, fragment or credentials")
+        if "\\" in value or _host_problem(parts.hostname):
+            raise ValueError("the host is not an IP address or host name")
+        if _path_problem(parts.path or "/"):
+            raise ValueError("the path has characters a URL cannot carry")
         if port == 0:
             raise ValueError("port 0")
         return value.rstrip("/")
@@ -402,6 +466,8 @@ def _shown(field: str, value: Any) -> str:
     if field == "engine_api_key":
         return "<hidden>"
     text = value if isinstance(value, str) else json.dumps(value, default=str)
+    if field == "engine_url":
+        text = _CREDENTIALS.sub(r"\1<credentials hidden>@", text)
     if len(text) > MAX_VALUE_SHOWN:
         text = text[: MAX_VALUE_SHOWN - 3] + "..."
     return repr(text)
@@ -422,14 +488,21 @@ def _error_lines(exc: ValidationError) -> list[str]:
 
 def _cross_checks(s: Settings) -> list[str]:
     lines = []
-    routes = {"/metrics": "the metrics route"}
     for field in ("health_path", "live_path"):
         path = getattr(s, field)
-        if path in routes:
+        if path in RESERVED_ROUTES:
             lines.append(
-                f"{env_name(field)}={path!r}: expected a path not already used by {routes[path]}"
+                f"{env_name(field)}={path!r}: expected a path not already used by "
+                f"{RESERVED_ROUTES[path]}"
             )
-        routes[path] = env_name(field)
+    if s.health_path == s.live_path:
+        # Blame the variable the user set (both set: the live path).
+        field = "health_path" if "live_path" not in s.model_fields_set else "live_path"
+        other = "live_path" if field == "health_path" else "health_path"
+        lines.append(
+            f"{env_name(field)}={s.health_path!r}: expected a path not already used by "
+            f"{env_name(other)}"
+        )
     return lines
 
 

@@ -76,12 +76,14 @@ def _no_answer(exc: Exception, timeout: float) -> NoAnswer:
         return NoAnswer(Failure.TIMEOUT, f"no complete answer within {timeout:g} s")
     if isinstance(exc, BodyTooLarge):
         return NoAnswer(Failure.TOO_LARGE, f"answer too large ({exc})")
-    detail = str(exc) or type(exc).__name__
+    detail = str(exc) or str(exc.__cause__ or "") or type(exc).__name__
     if isinstance(exc, httpx.ConnectError):
         return NoAnswer(Failure.REFUSED, f"cannot connect: {detail}")
-    if isinstance(exc, httpx.RemoteProtocolError):
+    if isinstance(exc, httpx.RemoteProtocolError | httpx.ReadError | httpx.WriteError):
         return NoAnswer(Failure.BROKEN, f"connection broke mid-answer: {detail}")
-    return NoAnswer(Failure.BROKEN, f"{type(exc).__name__}: {detail}")
+    if isinstance(exc, httpx.TransportError):
+        return NoAnswer(Failure.BROKEN, f"{type(exc).__name__}: {detail}")
+    return NoAnswer(Failure.BROKEN, f"cannot send the request: {type(exc).__name__}: {detail}")
 
 
 CANARY_OUTCOME = {
@@ -109,6 +111,7 @@ class EngineClient:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         headers = {"User-Agent": USER_AGENT}
+        self._secret = api_key or None
         if api_key:
             headers["Authorization"] = f"Bearer {api_key}"
         self.timeout = timeout
@@ -126,6 +129,11 @@ class EngineClient:
     async def aclose(self) -> None:
         await self._http.aclose()
 
+    def _redact(self, text: str) -> str:
+        """Every reason the sidecar serves or logs comes through here: an engine or gateway that
+        echoes the bearer token in its error text must not publish it."""
+        return text.replace(self._secret, "<hidden>") if self._secret else text
+
     async def _exchange(
         self,
         method: str,
@@ -137,7 +145,8 @@ class EngineClient:
         """One request with a deadline over the whole answer, and a bounded read."""
         try:
             return await self._read(method, path, json_body, headers)
-        except (TimeoutError, BodyTooLarge, httpx.TransportError) as exc:
+        except (TimeoutError, BodyTooLarge, httpx.HTTPError, httpx.InvalidURL, ValueError) as exc:
+            # ValueError: a body or header httpx cannot encode. Never let one kill the monitor.
             return _no_answer(exc, self.timeout)
 
     async def _read(
@@ -171,7 +180,13 @@ class EngineClient:
 
         def result(outcome: Outcome, reason: str, status: int | None = None) -> CanaryResult:
             return CanaryResult(
-                outcome, reason, started, self.clock(), time.time(), request.request_id, status
+                outcome,
+                self._redact(reason),
+                started,
+                self.clock(),
+                time.time(),
+                request.request_id,
+                status,
             )
 
         answer = await self._exchange(
@@ -206,7 +221,7 @@ class EngineClient:
         started = self.clock()
 
         def result(probe: Probe, reason: str) -> RegistrationResult:
-            return RegistrationResult(probe, reason, started, self.clock())
+            return RegistrationResult(probe, self._redact(reason), started, self.clock())
 
         answer = await self._exchange("GET", path)
         if isinstance(answer, NoAnswer):
@@ -220,7 +235,7 @@ class EngineClient:
         """(text, reason): the engine's Prometheus exposition, or None and why not."""
         answer = await self._exchange("GET", path)
         if isinstance(answer, NoAnswer):
-            return None, f"GET {path}: {answer.reason}"
+            return None, self._redact(f"GET {path}: {answer.reason}")
         if answer.status != 200:
             return None, f"GET {path} -> {answer.status}"
         return answer.body.decode("utf-8", "replace"), f"GET {path} -> 200"
@@ -230,9 +245,9 @@ class EngineClient:
         path = "/v1/models"
         answer = await self._exchange("GET", path)
         if isinstance(answer, NoAnswer):
-            return None, f"GET {path}: {answer.reason}"
+            return None, self._redact(f"GET {path}: {answer.reason}")
         if answer.status != 200:
-            return None, f"GET {path} -> {answer.status}: {_error_text(answer.body)}"
+            return None, self._redact(f"GET {path} -> {answer.status}: {_error_text(answer.body)}")
         try:
             data = json.loads(answer.body).get("data")
             model = data[0]["id"]
@@ -240,4 +255,4 @@ class EngineClient:
             return None, f"GET {path}: no model id in the answer"
         if not isinstance(model, str) or not model:
             return None, f"GET {path}: no model id in the answer"
-        return model, f"GET {path} lists {model!r}"
+        return self._redact(model), f"GET {path} lists a model"

@@ -1,0 +1,406 @@
+"""Security: the sidecar talks to SIDECAR_ENGINE_URL only, never shows the engine API key, and
+nothing it serves can change its state.
+
+Everything is loopback: the fake engine, a recording TCP relay put between the sidecar and the
+engine (it sees every connection and every request head), and a trap listener named in every
+proxy variable (it must see nothing). What the sidecar connects to is also read from outside,
+from its sockets in /proc.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.harness import LOOPBACK, ROOT, Sidecar, base_env, wait_until
+
+QUIET_DRAIN = {"SIDECAR_DRAIN_TIMEOUT": "0.1"}  # stop promptly at teardown (SIGTERM drains)
+CANARY_ON = QUIET_DRAIN | {
+    "DYN_HEALTH_CHECK_ENABLED": "true",
+    "DYN_CANARY_WAIT_TIME": "0.2",
+    "SIDECAR_CANARY_RETRY_INTERVAL": "0.2",
+    "DYN_HEALTH_CHECK_REQUEST_TIMEOUT": "0.5",
+}
+PROXY_VARIABLES = ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy")
+PROXY_VARIABLES += ("all_proxy",)
+REQUEST_HEAD = re.compile(
+    rb"(GET|POST|HEAD|PUT|DELETE|PATCH|OPTIONS) (\S+) HTTP/1\.[01]\r\n(.*?)\r\n\r\n", re.S
+)
+
+
+class Listener:
+    """A loopback TCP listener run by threads; counts the connections it accepts."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.bind((LOOPBACK, 0))
+        self.sock.listen(64)
+        self.sock.settimeout(0.1)
+        self.port: int = self.sock.getsockname()[1]
+        self.accepted = 0
+        self.stopping = threading.Event()
+        self.threads: list[threading.Thread] = []
+        self.open: list[socket.socket] = []
+        self._spawn(self._accept_loop)
+
+    @property
+    def url(self) -> str:
+        return f"http://{LOOPBACK}:{self.port}"
+
+    def _spawn(self, target: Any, *args: Any) -> None:
+        thread = threading.Thread(target=target, args=args, daemon=True)
+        self.threads.append(thread)
+        thread.start()
+
+    def _accept_loop(self) -> None:
+        while not self.stopping.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            self.accepted += 1
+            self.open.append(conn)
+            self.handle(conn)
+
+    def handle(self, conn: socket.socket) -> None:
+        conn.close()
+
+    def close(self) -> None:
+        self.stopping.set()
+        self.sock.close()
+        for conn in self.open:
+            with contextlib.suppress(OSError):
+                conn.close()
+        for thread in self.threads:
+            thread.join(2)
+
+
+class RecordingRelay(Listener):
+    """Relays every connection to the engine and keeps what the client sent on each."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream_port = upstream_port
+        self.sent: list[bytearray] = []
+        super().__init__()
+
+    def handle(self, conn: socket.socket) -> None:
+        upstream = socket.create_connection((LOOPBACK, self.upstream_port), timeout=5)
+        self.open.append(upstream)
+        record = bytearray()
+        self.sent.append(record)
+        self._spawn(self._pump, conn, upstream, record)
+        self._spawn(self._pump, upstream, conn, None)
+
+    def _pump(self, src: socket.socket, dst: socket.socket, record: bytearray | None) -> None:
+        src.settimeout(0.2)
+        while not self.stopping.is_set():
+            try:
+                data = src.recv(65536)
+            except TimeoutError:
+                continue
+            except OSError:
+                break
+            if not data:
+                break
+            if record is not None and len(record) < 1_000_000:
+                record.extend(data)
+            try:
+                dst.sendall(data)
+            except OSError:
+                break
+        for sock in (src, dst):
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+    def requests(self) -> list[tuple[str, str, dict[str, str]]]:
+        """(method, path, headers) of every request head the sidecar sent through the relay."""
+        found = []
+        for record in list(self.sent):
+            for method, path, head in REQUEST_HEAD.findall(bytes(record)):
+                headers = {}
+                for line in head.decode("latin-1").split("\r\n"):
+                    name, _, value = line.partition(":")
+                    headers[name.strip().lower()] = value.strip()
+                found.append((method.decode(), path.decode(), headers))
+        return found
+
+
+@pytest.fixture
+def listeners() -> Iterator[list[Listener]]:
+    started: list[Listener] = []
+    yield started
+    for listener in started:
+        listener.close()
+
+
+def _address(hex_address: str) -> tuple[str, int]:
+    host, port = hex_address.split(":")
+    if len(host) == 8:
+        ip = socket.inet_ntop(socket.AF_INET, bytes.fromhex(host)[::-1])
+    else:
+        words = [bytes.fromhex(host[i : i + 8])[::-1] for i in range(0, 32, 8)]
+        ip = socket.inet_ntop(socket.AF_INET6, b"".join(words))
+    return ip, int(port, 16)
+
+
+def tcp_peers(pid: int) -> list[tuple[tuple[str, int], tuple[str, int], str]]:
+    """(local, remote, state) of every TCP socket the process holds."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(FileNotFoundError):
+            found = re.fullmatch(r"socket:\[(\d+)\]", str(fd.readlink()))
+            if found:
+                inodes.add(found[1])
+    peers = []
+    for table in ("tcp", "tcp6"):
+        path = Path(f"/proc/{pid}/net/{table}")
+        if not path.exists():
+            continue
+        for line in path.read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[9] in inodes:
+                peers.append((_address(fields[1]), _address(fields[2]), fields[3]))
+    return peers
+
+
+def canaries_at(fake: Any) -> list[dict[str, Any]]:
+    return [r for r in fake.requests() if r["path"] == "/v1/completions"]
+
+
+# --- the sidecar sends requests only to SIDECAR_ENGINE_URL ---------------------------------------
+
+
+def test_requests_go_only_to_the_engine_url_whatever_the_proxy_variables(
+    engine, sidecar, listeners
+) -> None:
+    fake = engine("vllm")
+    trap = Listener()
+    relay = RecordingRelay(fake.port)
+    listeners.extend([trap, relay])
+    proxies = dict.fromkeys(PROXY_VARIABLES, trap.url)
+    env = CANARY_ON | proxies | {"NO_PROXY": "", "no_proxy": "", "SIDECAR_ENGINE_URL": relay.url}
+    side = sidecar(env)
+    side.wait_status(200, 5)
+
+    # Watch the sidecar's own sockets while canaries, registrations and probes run.
+    outbound: set[tuple[str, int]] = set()
+    deadline = time.monotonic() + 1.5
+    while time.monotonic() < deadline:
+        for local, remote, state in tcp_peers(side.proc.pid):
+            if state == "0A" or local[1] == side.port:
+                continue  # its listening socket, and connections to it
+            outbound.add(remote)
+        side.get("/health")
+        time.sleep(0.02)
+    wait_until(lambda: len(canaries_at(fake)) >= 3, 3, what="three canaries")
+
+    assert trap.accepted == 0, "the sidecar used a proxy from the environment"
+    assert outbound <= {(LOOPBACK, relay.port)}, outbound
+    assert relay.accepted >= 1
+    sent = relay.requests()
+    assert {(m, p) for m, p, _ in sent} >= {("GET", "/health"), ("POST", "/v1/completions")}
+    hosts = {h.get("host") for _, _, h in sent}
+    assert hosts == {f"{LOOPBACK}:{relay.port}"}, hosts
+    # Everything the engine saw came through the relay, none around it.
+    assert len(canaries_at(fake)) <= sum(1 for m, p, _ in sent if p == "/v1/completions")
+
+
+# --- the engine API key is sent to the engine and shown nowhere ----------------------------------
+
+
+def distinctive_key() -> tuple[str, str]:
+    """A key, and the part of it that must never appear anywhere (no false match possible)."""
+    needle = uuid.uuid4().hex
+    return f"sk-hs-{needle}", needle
+
+
+def exposed(side: Sidecar) -> dict[str, str]:
+    """Everything the sidecar serves, as text: bodies and headers, GET and HEAD."""
+    seen = {}
+    for path in ("/health", "/live", "/metrics", "/openapi.json", "/nope"):
+        for method in ("GET", "HEAD"):
+            answer = side.http.request(method, f"{side.url}{path}")
+            seen[f"{method} {path}"] = answer.text + repr(dict(answer.headers))
+    return seen
+
+
+def test_api_key_reaches_the_engine_and_appears_nowhere_else(engine, sidecar, listeners) -> None:
+    key, needle = distinctive_key()
+    fake = engine("vllm")
+    relay = RecordingRelay(fake.port)
+    listeners.append(relay)
+    env = CANARY_ON | {
+        "SIDECAR_ENGINE_URL": relay.url,
+        "SIDECAR_ENGINE_API_KEY": key,
+        "SIDECAR_LOG_LEVEL": "DEBUG",
+        "SIDECAR_LIVENESS_WINDOW": "0.5",  # let liveness fail too: its reason is served
+    }
+    side = sidecar(env)
+    side.wait_status(200, 5)
+    seen = exposed(side)
+
+    # Every request, canary or not, carries it as a bearer token.
+    sent = relay.requests()
+    assert sent
+    assert all(h.get("authorization") == f"Bearer {key}" for _, _, h in sent), sent
+    assert canaries_at(fake)[0]["headers"]["authorization"] == f"Bearer {key}"
+
+    # The engine rejects the key, then hangs: every error path formats a reason.
+    fake.fault(generation_status=401, generation_error="Unauthorized: invalid API key")
+    side.wait_status(503, 3)
+    wait_until(
+        lambda: "Unauthorized" in side.health()[1]["reason"], 3, what="the engine's rejection"
+    )
+    seen |= {f"401 {k}": v for k, v in exposed(side).items()}
+    fake.fault(generation_status=None, hang_generation=True)
+    side.wait_status(503, 3, path="/live")
+    seen |= {f"hang {k}": v for k, v in exposed(side).items()}
+    fake.fault(hang_generation=False)
+    side.wait_status(200, 3)
+
+    side.close()
+    seen["log"] = side.proc.output()
+    assert "DEBUG" in seen["log"]  # the log level that logs the most was really on
+    leaked = [where for where, text in seen.items() if needle in text]
+    assert not leaked, leaked
+
+
+def cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "sidecar", *args],
+        env=base_env() | env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        cwd=ROOT,
+        check=False,
+    )
+
+
+def test_api_key_absent_from_check_config_and_config_errors() -> None:
+    key, needle = distinctive_key()
+    outputs = {
+        "check-config": cli("--check-config", env={"SIDECAR_ENGINE_API_KEY": key}),
+        "probes": cli("probes", env={"SIDECAR_ENGINE_API_KEY": key}),
+        "bad port": cli(
+            "--check-config", env={"SIDECAR_ENGINE_API_KEY": key, "DYN_SYSTEM_PORT": "70000"}
+        ),
+        "bad everything": cli(
+            env={
+                "SIDECAR_ENGINE_API_KEY": key,
+                "DYN_SYSTEM_PORT": "x",
+                "SIDECAR_BACKEND": "tgi",
+                "SIDECAR_ENGINE_URL": "ftp://x",
+            }
+        ),
+    }
+    assert outputs["check-config"].returncode == 0, outputs["check-config"].stderr
+    assert "bearer token from SIDECAR_ENGINE_API_KEY" in outputs["check-config"].stdout
+    assert outputs["bad port"].returncode == 2
+    assert outputs["bad everything"].returncode == 2
+    assert len(outputs["bad everything"].stderr.splitlines()) == 3
+    texts = {name: done.stdout + done.stderr for name, done in outputs.items()}
+    leaked = [name for name, text in texts.items() if needle in text]
+    assert not leaked, {name: texts[name] for name in leaked}
+
+
+def test_api_key_echoed_by_the_engine_is_not_served(engine, sidecar) -> None:
+    key, needle = distinctive_key()
+    fake = engine("vllm")
+    fake.fault(generation_status=401, generation_error=f"invalid api key {key}")
+    side = sidecar(CANARY_ON | {"SIDECAR_ENGINE_URL": fake.url, "SIDECAR_ENGINE_API_KEY": key})
+    wait_until(lambda: side.health()[1]["checks"]["generate"]["last_canary"], 3, what="a canary")
+    assert needle not in side.get("/health").text
+
+
+def test_api_key_with_a_control_character_is_not_served(engine, sidecar) -> None:
+    key, needle = distinctive_key()
+    fake = engine("vllm")
+    side = sidecar(
+        CANARY_ON | {"SIDECAR_ENGINE_URL": fake.url, "SIDECAR_ENGINE_API_KEY": key + "\n"},
+        wait=False,
+    )
+    try:
+        side.wait_serving()
+    except AssertionError:
+        return  # refused at start (exit 2): the fix this test asks for
+    wait_until(
+        lambda: side.health()[1]["checks"]["generate"]["registration"] != "not checked yet",
+        3,
+        what="a registration check",
+    )
+    assert needle not in side.get("/health").text
+    side.close()
+    assert needle not in side.proc.output()
+
+
+# --- nothing it serves changes its state ---------------------------------------------------------
+
+
+def stable(body: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in body.items() if k != "uptime"}
+
+
+def raw_exchange(port: int, data: bytes) -> bytes:
+    with socket.create_connection((LOOPBACK, port), timeout=2) as sock:
+        sock.sendall(data)
+        chunks = []
+        with contextlib.suppress(TimeoutError, ConnectionResetError):
+            while chunk := sock.recv(65536):
+                chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def test_no_request_changes_the_state_or_reaches_the_engine(engine, sidecar) -> None:
+    fake = engine("vllm")
+    env = CANARY_ON | {"SIDECAR_ENGINE_URL": fake.url, "DYN_CANARY_WAIT_TIME": "3600"}
+    side = sidecar(env)
+    side.wait_status(200, 5)
+    before = (stable(side.health()[1]), stable(side.get("/live").json()), side.metrics())
+    sent_before = len(canaries_at(fake))
+
+    url = side.url
+    for path in ("/health", "/live", "/metrics", "/openapi.json", "/", "/health/", "/_debug"):
+        for method in ("GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "TRACE"):
+            for query in ("", "?ready=0&status=notready", "?" + "x" * 4000):
+                answer = side.http.request(method, f"{url}{path}{query}", content=b'{"a": 1}')
+                assert answer.status_code < 500, (method, path, answer.status_code)
+    side.http.post(f"{url}/health", content=b"\x00" * 2_000_000)  # a large body, unread
+    side.http.request("GET", f"{url}/health", headers={"content-type": "json"}, content=b"{")
+    for garbage in (
+        b"GARBAGE\r\n\r\n",
+        b"GET /health HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n",
+        b"GET /health HTTP/9.9\r\n\r\n",
+        b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" + b"\x00" * 64,  # a TLS ClientHello
+        b"GET /" + b"a" * 70_000 + b" HTTP/1.1\r\n\r\n",
+    ):
+        reply = raw_exchange(side.port, garbage)
+        assert not reply.startswith(b"HTTP/1.1 5"), (garbage[:30], reply[:80])
+
+    assert side.proc.popen.poll() is None, side.proc.output()[-2000:]
+    after = (stable(side.health()[1]), stable(side.get("/live").json()), side.metrics())
+    assert after == before
+    assert len(canaries_at(fake)) == sent_before  # probes never trigger a canary
+
+
+def test_every_route_answers_head(engine, sidecar) -> None:
+    fake = engine("vllm")
+    side = sidecar(QUIET_DRAIN | {"SIDECAR_ENGINE_URL": fake.url})
+    side.wait_status(200, 5)
+    for path in ("/health", "/live", "/metrics"):
+        answer = side.http.head(f"{side.url}{path}")
+        assert answer.status_code == 200, (path, answer.status_code)
+        assert answer.content == b""
