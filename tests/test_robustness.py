@@ -209,6 +209,16 @@ def held(pid: int) -> Held:
     return Held(fds, len(inodes), states, threads, rss)
 
 
+def settled_tasks(side: Sidecar, samples: int = 10) -> int:
+    """The fewest asyncio tasks the sidecar reports over a short window (its own gauge)."""
+    pattern = r"^health_sidecar_asyncio_tasks (\S+)$"
+    seen = []
+    for _ in range(samples):
+        seen.append(int(float(re.search(pattern, side.metrics(), re.M)[1])))
+        time.sleep(0.03)
+    return min(seen)
+
+
 def settled_held(pid: int, samples: int = 10) -> Held:
     """The least the process holds over a short window: a canary in flight is not a leak."""
     seen = []
@@ -258,6 +268,7 @@ def test_a_thousand_misbehaving_canaries_leak_nothing(misbehaving, sidecar) -> N
     engine.set_mode("ok")
     side.wait_status(200, 3)
     baseline = settled_held(pid)
+    baseline_tasks = settled_tasks(side)
     warm = sum(canary_totals(side).values())
 
     started = time.monotonic()
@@ -272,10 +283,12 @@ def test_a_thousand_misbehaving_canaries_leak_nothing(misbehaving, sidecar) -> N
     engine.set_mode("ok")
     side.wait_status(200, 3)  # recovers at once: no connection slot was left stuck
     after = settled_held(pid)
+    after_tasks = settled_tasks(side)
     totals = canary_totals(side)
     report = (
         f"{sum(totals.values()) - warm} canaries in {elapsed:.1f} s {dict(totals)}; "
-        f"baseline {baseline}; after {after}; per round {[(r.fds, r.sockets) for r in rounds]}"
+        f"baseline {baseline}; after {after}; per round {[(r.fds, r.sockets) for r in rounds]}; "
+        f"asyncio tasks {baseline_tasks} -> {after_tasks}"
     )
     print(report)
 
@@ -285,6 +298,7 @@ def test_a_thousand_misbehaving_canaries_leak_nothing(misbehaving, sidecar) -> N
     assert all(served.get(mode, 0) > 0 for mode in MODES), served
 
     # Nothing leaked: back to the baseline, give or take a canary or probe in flight.
+    assert after_tasks <= baseline_tasks + 1, report
     assert after.fds <= baseline.fds + FD_SLACK, report
     assert after.sockets <= baseline.sockets + FD_SLACK, report
     assert after.tcp_states["CLOSE_WAIT"] == 0, report  # a peer closed, the sidecar never did
