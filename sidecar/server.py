@@ -1,7 +1,8 @@
 """Wiring and lifecycle: build the parts from settings, serve HTTP and run the monitor together.
 
-One asyncio task serves HTTP (uvicorn), one runs the monitor; both are owned here. SIGTERM or
-SIGINT stops the server gracefully and cancels the monitor; the engine client is closed last.
+One asyncio task serves HTTP (uvicorn), one runs the monitor; both are owned here. SIGTERM drains
+(readiness 503 until the engine is gone or the drain timeout), SIGINT stops at once; then the
+monitor is cancelled; the engine client is closed last.
 A monitor that dies of an unexpected error stops the process with exit code 1 rather than
 serving a frozen verdict.
 """
@@ -90,7 +91,10 @@ async def serve(settings: Settings) -> int:
 
     def stop(sig: signal.Signals) -> None:
         nonlocal drain_task
-        if drain_task is None:
+        if sig is signal.SIGINT:  # a person at a terminal: stop now
+            log.info("received SIGINT: exiting now")
+            server.should_exit = True
+        elif drain_task is None:
             log.info(
                 "received %s: draining (readiness 503, liveness 200) until the engine is gone, "
                 "at most %g s",
@@ -99,7 +103,7 @@ async def serve(settings: Settings) -> int:
             )
             drain_task = loop.create_task(drain(), name="drain")
         else:
-            log.info("received %s again: exiting now", sig.name)
+            log.info("received SIGTERM again: exiting now")
             server.should_exit = True
 
     for sig in (signal.SIGTERM, signal.SIGINT):
