@@ -158,6 +158,11 @@ def on_registration(state: EndpointState, result: RegistrationResult) -> Endpoin
                 "consecutive_failures": 0,
                 "consecutive_successes": 0,
                 "next_canary_due": result.finished if state.has_canary else None,
+                # Its counters start again from zero; its stalls are not the old one's.
+                "progress_total": None,
+                "quiet_since": None,
+                "stalled": False,
+                "stalled_for": 0.0,
             }
         if not state.has_canary:
             changes |= {"verdict_known": True, "hard_failure_since": None}
@@ -209,6 +214,9 @@ def on_canary(
             last_success_wall=result.wall_time,
             next_canary_due=result.finished + (policy.wait if ready else policy.retry),
             hard_failure_since=None,
+            quiet_since=None,
+            stalled=False,
+            stalled_for=0.0,
         )
     failures = state.consecutive_failures + 1
     ready = state.canary_ready and failures < policy.failure_threshold
@@ -270,7 +278,9 @@ def on_progress(
     canary behind the stuck work.
     """
     if sample is None:
-        return replace(state, in_flight=None, quiet_since=None, stalled=False, stalled_for=0.0)
+        # Unknown load: canaries may go again. A stall stands until progress, a passed canary or
+        # a new incarnation ends it (a stuck engine often cannot serve its metrics either).
+        return replace(state, in_flight=None)
     previous = state.progress_total
     advanced = sample.counters is not None and previous is not None and sample.counters > previous
     busy = bool(sample.in_flight)

@@ -91,11 +91,11 @@ class Proc:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.popen.pid, sig)
 
-    def stop(self, timeout: float = 5.0) -> int | None:
-        """SIGCONT (in case it is frozen), SIGTERM, then SIGKILL; return the exit code."""
+    def stop(self, timeout: float = 5.0, sig: int | None = None) -> int | None:
+        """SIGCONT (in case it is frozen), ``sig`` (SIGTERM), then SIGKILL; return the exit code."""
         if self.popen.poll() is None:
             self.signal(signal.SIGCONT)
-            self.signal(signal.SIGTERM)
+            self.signal(signal.SIGTERM if sig is None else sig)
             try:
                 self.popen.wait(timeout)
             except subprocess.TimeoutExpired:
@@ -201,8 +201,9 @@ class Sidecar:
         return self.get("/metrics").text
 
     def close(self) -> int | None:
+        """SIGINT: exit at once (SIGTERM would drain while the engine is still up)."""
         self.http.close()
-        return self.proc.stop()
+        return self.proc.stop(sig=signal.SIGINT)
 
 
 @contextlib.contextmanager

@@ -337,3 +337,15 @@ def test_rejections_are_hard_only_after_the_canary_passed(proven, status, live):
     state = run(registered(), [S]) if proven else registered()
     state = on_canary(state, canary(Outcome.ERROR, t=5, status=status), 1, POLICY)
     assert decide_liveness({"g": state}, 5 + 30, 30).live is live
+
+
+def test_a_stall_stands_when_the_metrics_cannot_be_read():
+    state = run(registered(), [S], PROGRESS_POLICY)
+    state = feed(state, [sample(t, 2, 51) for t in (1, 2, 3, 4, 5, 6, 7)])
+    assert endpoint_verdict(state).ready is False
+    state = on_progress(state, None, PROGRESS_POLICY, 0)  # a stuck engine's /metrics hangs too
+    assert endpoint_verdict(state).ready is False
+    assert canary_due(state) is not None  # load unknown: a canary may go
+    state = on_canary(state, canary(S, t=9), 1, PROGRESS_POLICY)  # and it passes
+    assert endpoint_verdict(state).ready is True
+    assert not state.stalled

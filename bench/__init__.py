@@ -1,0 +1,1 @@
+"""Benchmarks: scripts run by hand against real engines, not timed tests."""

@@ -1,0 +1,1047 @@
+"""The fault benchmark: the fault matrix on real engines, the sidecar beside Dynamo's canary loop.
+
+    .venv/bin/python -m bench.fault_matrix [--reps N] [--only SCENARIO ...] [--seed S] [--out F]
+
+Each repetition starts a fresh engine (llama.cpp's ``llama-server``, or Dynamo's mocker worker and
+frontend), the sidecar with its defaults (``python -m sidecar``) and, in this process, the
+baseline (:mod:`bench.baseline`, Dynamo's documented canary loop) against the same engine at
+the same time; then injects one fault and measures, for each prober, the time from the fault to
+its first 503, the time from the recovery (SIGCONT, engine serving again, model loaded) to its
+first 200, and the canaries it sent. The sidecar's ``/health`` is polled every 50 ms; the
+baseline's verdict is read from its own record of changes. The full run writes
+``docs/fault-benchmark.md``; runs with ``--only`` write it only when ``--out`` is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime
+import os
+import platform
+import random
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from bench.baseline import DynamoCanaryLoop, Timeline
+from tests.engines import Dynamo, LlamaServer, engine_paths
+from tests.harness import ROOT, Sidecar, base_env
+
+MODEL = "tiny"  # llama-server's --alias and the mocker's --model-name (tests/engines.py)
+POLL = 0.05  # seconds between reads of the sidecar's /health
+CAP = 90.0  # longest wait for any one transition
+HOLD = 20.0  # how long a freeze lasts in the freeze scenarios
+RESTART_GAP = 5.0  # engine down between SIGKILL and the restart
+SETTLE = 3.0  # traffic flows this long before a fault under load
+LEASE_OBSERVE = 30.0  # after SIGCONT of a worker dropped from discovery: watch this long
+BUSY_SECONDS = 30.0  # the busy-but-healthy window
+DEFAULT_OUT = ROOT / "docs" / "fault-benchmark.md"
+
+SIDECAR = "sidecar"
+BASELINE = "baseline"
+BASELINE_RESTARTED = "baseline, restarted with the engine"
+BASELINE_G2 = "baseline G2 (no busy rule)"
+WORKER_HEALTH = "Dynamo worker's own /health"
+
+
+def now() -> float:
+    return time.monotonic()
+
+
+# --- results -------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ProberRun:
+    """One prober in one repetition. Times in seconds; None: did not happen within the cap."""
+
+    to_503: float | None
+    to_200: float | None
+    went_down: bool
+    canaries: int | None
+    note: str = ""
+    fixed_503: str | None = None  # shown instead of to_503 (a value by construction)
+
+
+@dataclass
+class Rep:
+    probers: dict[str, ProberRun] = field(default_factory=dict)
+    facts: list[str] = field(default_factory=list)  # scenario-level observations
+
+
+def measure(
+    timeline: Timeline, fault: float, recovery: float | None, canaries: int | None, note: str = ""
+) -> ProberRun:
+    """Time from ``fault`` to the first notready, and from ``recovery`` back to ready."""
+    down = timeline.first(False, fault)
+    if down is None:
+        return ProberRun(None, None, False, canaries, note or "never notready")
+    why = note or shorten(down.reason)
+    if recovery is None:
+        return ProberRun(down.at - fault, None, True, canaries, why)
+    up = timeline.first(True, max(recovery, down.at))
+    return ProberRun(down.at - fault, None if up is None else up.at - recovery, True, canaries, why)
+
+
+def shorten(reason: str) -> str:
+    """The cause of a 503 in a few words, for the table's notes."""
+    text = reason.removeprefix("generate: ")
+    rules = (
+        ("engine not registered", "no complete answer", "registration timed out"),
+        ("engine not registered", "cannot connect", "registration refused"),
+        ("engine not registered", "Loading model", "registration 503 Loading model"),
+        ("stalled", "", "stall rule"),
+        ("canary timeout", "in flight", "canary timeout behind stuck work"),
+        ("canary timeout", "", "canary timeouts"),
+        ("canary refused", "", "canaries refused"),
+        ("canary error", "HTTP 404", "canary HTTP 404 (model gone)"),
+        ("canary error", "HTTP 503", "canary HTTP 503"),
+        ("busy stall", "", "busy stall (60 s)"),
+        ("canary generate error", "Connect", "canary refused"),
+    )
+    for first, second, short in rules:
+        if text.startswith(first) and second in text:
+            return short
+    return text[:60]
+
+
+# --- polling the sidecar (and other HTTP verdicts) -----------------------------------------------
+class Poller:
+    """GET ``url`` every ``interval``; 200 is ready; anything else, or no answer, is not."""
+
+    def __init__(self, url: str, interval: float = POLL, timeout: float = 1.0) -> None:
+        self.url, self.interval = url, interval
+        self.timeline = Timeline()
+        self.codes: list[tuple[float, int | None]] = []
+        self._http = httpx.AsyncClient(timeout=timeout, trust_env=False)
+
+    async def run(self) -> None:
+        while True:
+            started = now()
+            code, reason = await self._read()
+            at = now()
+            self.codes.append((at, code))
+            self.timeline.record(at, code == 200, reason)
+            await asyncio.sleep(max(0.0, started + self.interval - now()))
+
+    async def _read(self) -> tuple[int | None, str]:
+        try:
+            answer = await self._http.get(self.url)
+        except httpx.HTTPError as exc:
+            return None, f"no answer: {type(exc).__name__}"
+        try:
+            reason = str(answer.json().get("reason", answer.json().get("status", "")))
+        except ValueError:
+            reason = answer.text[:120]
+        return answer.status_code, reason
+
+    def codes_between(self, start: float, end: float) -> set[int | None]:
+        return {code for at, code in self.codes if start <= at <= end}
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+
+def sidecar_canaries(metrics_text: str) -> int:
+    """The sum over outcomes of ``health_sidecar_canary_total``."""
+    total = 0.0
+    for family in text_string_to_metric_families(metrics_text):
+        for sample in family.samples:
+            if sample.name == "health_sidecar_canary_total":
+                total += sample.value
+    return round(total)
+
+
+def sidecar_env(engine_url: str) -> dict[str, str]:
+    """The sidecar's defaults, as config/llamacpp-aggregated.env sets them, for this engine."""
+    return {
+        "DYN_HEALTH_CHECK_ENABLED": "true",
+        "DYN_SYSTEM_USE_ENDPOINT_HEALTH_STATUS": '["generate"]',
+        "SIDECAR_BACKEND": "openai",
+        "SIDECAR_DISAGGREGATION_MODE": "aggregated",
+        "SIDECAR_MODEL_TYPE": "text",
+        "SIDECAR_ENGINE_URL": engine_url,
+    }
+
+
+# --- the load generator --------------------------------------------------------------------------
+class Load:
+    """``clients`` streaming completions back to back; every chunk notifies the baselines, as
+    Dynamo's ingress notifies its canary loop."""
+
+    def __init__(
+        self, url: str, clients: int, max_tokens: int, listeners: Sequence[DynamoCanaryLoop]
+    ) -> None:
+        self.clients, self.max_tokens = clients, max_tokens
+        self.listeners = list(listeners)
+        self.served = 0
+        self.failed = 0
+        self._http = httpx.AsyncClient(
+            base_url=url, trust_env=False, timeout=httpx.Timeout(CAP + 30, connect=5)
+        )
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._client()) for _ in range(self.clients)]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await self._http.aclose()
+
+    def _notify(self, what: Callable[[DynamoCanaryLoop], None]) -> None:
+        for listener in self.listeners:
+            what(listener)
+
+    async def _client(self) -> None:
+        body = {"model": MODEL, "prompt": "hello", "max_tokens": self.max_tokens, "stream": True}
+        while True:
+            self._notify(DynamoCanaryLoop.request_started)
+            try:
+                ok = await self._one(body)
+            finally:
+                self._notify(DynamoCanaryLoop.request_finished)
+            if ok:
+                self.served += 1
+            else:
+                self.failed += 1
+                await asyncio.sleep(0.1)
+
+    async def _one(self, body: dict[str, object]) -> bool:
+        try:
+            async with self._http.stream("POST", "/v1/completions", json=body) as response:
+                if response.status_code != 200:
+                    await response.aread()
+                    return False
+                async for line in response.aiter_lines():
+                    if line.startswith("data:") and "[DONE]" not in line and '"error"' not in line:
+                        self._notify(DynamoCanaryLoop.progressed)
+        except httpx.HTTPError:
+            return False
+        self._notify(DynamoCanaryLoop.progressed)  # the completed stream
+        return True
+
+
+# --- the probers beside one engine ---------------------------------------------------------------
+@dataclass
+class Probers:
+    engine_url: str
+    sidecar: Sidecar
+    health: Poller
+    baselines: dict[str, DynamoCanaryLoop]
+    extra: dict[str, Poller]
+    tasks: list[asyncio.Task[None]]
+
+    @property
+    def baseline(self) -> DynamoCanaryLoop:
+        return self.baselines[BASELINE]
+
+    def timelines(self) -> dict[str, Timeline]:
+        found = {SIDECAR: self.health.timeline}
+        found |= {name: loop.timeline for name, loop in self.baselines.items()}
+        return found | {name: poller.timeline for name, poller in self.extra.items()}
+
+    def add_baseline(self, name: str, busy_stall: float | None = 60.0) -> DynamoCanaryLoop:
+        loop = DynamoCanaryLoop(self.engine_url, MODEL, busy_stall=busy_stall)
+        self.baselines[name] = loop
+        self.tasks.append(asyncio.create_task(loop.run()))
+        return loop
+
+    def add_poller(self, name: str, url: str) -> Poller:
+        poller = Poller(url)
+        self.extra[name] = poller
+        self.tasks.append(asyncio.create_task(poller.run()))
+        return poller
+
+    def verdicts(self) -> list[bool | None]:
+        """The current verdicts of the sidecar and every baseline."""
+        timelines = [self.health.timeline, *(b.timeline for b in self.baselines.values())]
+        return [t.current for t in timelines]
+
+    def ready(self) -> bool:
+        return all(self.verdicts())
+
+    def none_ready(self) -> bool:
+        return not any(self.verdicts())
+
+    async def wait_ready(self, cap: float) -> bool:
+        return await wait_for(self.ready, cap)
+
+    async def sidecar_canaries(self) -> int:
+        text = await asyncio.to_thread(self.sidecar.metrics)
+        return sidecar_canaries(text)
+
+
+@contextlib.asynccontextmanager
+async def probers(
+    engine_url: str, stop_engine: Callable[[], None], *, g2: bool = False
+) -> AsyncIterator[Probers]:
+    """The sidecar (defaults) and the baseline (and with ``g2`` the G2 loop as well) against
+    ``engine_url``; all ended on exit.
+
+    ``stop_engine`` (idempotent) runs before the sidecar is stopped: a sidecar whose engine is
+    gone exits at once on SIGTERM, one whose engine still answers drains first."""
+    side = Sidecar(sidecar_env(engine_url))
+    health = Poller(f"{side.url}/health")
+    rig = Probers(engine_url, side, health, {}, {}, [])
+    try:
+        rig.add_baseline(BASELINE)
+        if g2:
+            rig.add_baseline(BASELINE_G2, busy_stall=None)
+        await asyncio.to_thread(side.wait_serving)
+        rig.tasks.append(asyncio.create_task(health.run()))
+        yield rig
+    finally:
+        await _end(rig, stop_engine)
+
+
+async def _end(rig: Probers, stop_engine: Callable[[], None]) -> None:
+    for task in rig.tasks:
+        task.cancel()
+    for task in rig.tasks:
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    for loop in rig.baselines.values():
+        await loop.aclose()
+    for poller in (rig.health, *rig.extra.values()):
+        await poller.aclose()
+    await asyncio.to_thread(stop_engine)
+    await asyncio.to_thread(rig.sidecar.close)
+
+
+@contextlib.contextmanager
+def llama_server(model: str = "TINY_GGUF", *extra: str) -> Iterator[LlamaServer]:
+    server = LlamaServer(model, *extra)
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+@contextlib.asynccontextmanager
+async def load(rig: Probers, clients: int, max_tokens: int) -> AsyncIterator[Load]:
+    """Traffic that notifies every baseline of the rig."""
+    generator = Load(rig.engine_url, clients, max_tokens, list(rig.baselines.values()))
+    generator.start()
+    try:
+        yield generator
+    finally:
+        await generator.stop()
+
+
+async def wait_for(condition: Callable[[], bool], cap: float, interval: float = POLL) -> bool:
+    deadline = now() + cap
+    while not condition():
+        if now() >= deadline:
+            return False
+        await asyncio.sleep(interval)
+    return True
+
+
+async def engine_health(url: str) -> int | None:
+    async with httpx.AsyncClient(timeout=1.0, trust_env=False) as client:
+        try:
+            return (await client.get(f"{url}/health")).status_code
+        except httpx.HTTPError:
+            return None
+
+
+async def ready_for_fault(rig: Probers, rng: random.Random, spread: float) -> None:
+    """Both probers ready, then a random point of the idle cycle (so medians are fair)."""
+    if not await rig.wait_ready(CAP):
+        raise RuntimeError(f"probers not ready within {CAP:g} s: {rig.timelines()}")
+    await asyncio.sleep(rng.uniform(0, spread))
+
+
+def results(rig: Probers, fault: float, recovery: float | None, sidecar_before: int) -> Rep:
+    """Sidecar and baseline rows, canaries counted from ``fault`` to now."""
+    end = now()
+    rep = Rep()
+    sent = sidecar_canaries(rig.sidecar.metrics()) - sidecar_before
+    rep.probers[SIDECAR] = measure(rig.health.timeline, fault, recovery, sent)
+    for name, loop in rig.baselines.items():
+        rep.probers[name] = measure(
+            loop.timeline, fault, recovery, loop.canaries_between(fault, end)
+        )
+    return rep
+
+
+# --- scenarios -----------------------------------------------------------------------------------
+async def idle_freeze(rng: random.Random) -> Rep:
+    """llama-server frozen while idle: SIGSTOP for 20 s, then SIGCONT."""
+    with llama_server() as server:
+        await asyncio.to_thread(server.start)
+        async with probers(server.url, server.close) as rig:
+            await ready_for_fault(rig, rng, 10.0)
+            before = await rig.sidecar_canaries()
+            fault = now()
+            server.freeze()
+            await asyncio.sleep(HOLD)
+            recovery = now()
+            server.thaw()
+            await rig.wait_ready(CAP)
+            return results(rig, fault, recovery, before)
+
+
+async def traffic_freeze(rng: random.Random) -> Rep:
+    """llama-server frozen under steady traffic (2 clients, 32 tokens, back to back) for 20 s."""
+    with llama_server() as server:
+        await asyncio.to_thread(server.start)
+        async with probers(server.url, server.close, g2=True) as rig:
+            await ready_for_fault(rig, rng, 1.0)
+            async with load(rig, clients=2, max_tokens=32) as traffic:
+                await asyncio.sleep(SETTLE)
+                before = await rig.sidecar_canaries()
+                fault = now()
+                server.freeze()
+                await asyncio.sleep(HOLD)
+                recovery = now()
+                server.thaw()
+                await rig.wait_ready(CAP)
+                rep = results(rig, fault, recovery, before)
+                rep.facts.append(f"load: {traffic.served} requests served")
+                return rep
+
+
+async def kill_restart(rng: random.Random) -> Rep:
+    """llama-server SIGKILLed while idle, restarted on the same port 5 s later."""
+    with llama_server() as server:
+        await asyncio.to_thread(server.start)
+        async with probers(server.url, server.close) as rig:
+            await ready_for_fault(rig, rng, 10.0)
+            before = await rig.sidecar_canaries()
+            fault = now()
+            server.kill()
+            await asyncio.sleep(RESTART_GAP)
+            rig.add_baseline(BASELINE_RESTARTED)
+            await asyncio.to_thread(server.start)
+            recovery = now()
+            await rig.wait_ready(CAP)
+            return restarted_results(rig, fault, recovery, before)
+
+
+def restarted_results(rig: Probers, fault: float, recovery: float, before: int) -> Rep:
+    rep = results(rig, fault, recovery, before)
+    fresh = rig.baselines[BASELINE_RESTARTED]
+    up = fresh.timeline.first(True, recovery)
+    rep.probers[BASELINE_RESTARTED] = ProberRun(
+        0.0,
+        None if up is None else up.at - recovery,
+        True,
+        fresh.canaries_between(fault, now()),
+        "restarts notready; first canary a full wait after the start",
+        fixed_503="0 (its /health dies with the worker)",
+    )
+    return rep
+
+
+async def slow_load(rng: random.Random) -> Rep:
+    """llama-server killed and restarted at once with the 800 MB GGUF (``--load-mode dio``)."""
+    with llama_server("TINY_GGUF", "--load-mode", "dio") as server:
+        await asyncio.to_thread(server.start)
+        async with probers(server.url, server.close) as rig:
+            live = rig.add_poller("sidecar /live", f"{rig.sidecar.url}/live")
+            await ready_for_fault(rig, rng, 10.0)
+            before = await rig.sidecar_canaries()
+            fault = now()
+            server.kill()
+            rig.add_baseline(BASELINE_RESTARTED)
+            restarted = now()
+            server.start(wait=False, model="BIG_GGUF")
+            loading = await watch_load(server.url)
+            loaded = now()
+            await rig.wait_ready(CAP)
+            rep = restarted_results(rig, fault, loaded, before)
+            rep.facts += load_facts(rig, live, fault, restarted, loaded, loading)
+            rep.probers[SIDECAR] = replace(
+                rep.probers[SIDECAR], note=during_load(rig, live, fault, loaded)
+            )
+            return rep
+
+
+def during_load(rig: Probers, live: Poller, fault: float, loaded: float) -> str:
+    """The sidecar's note: its first 503's cause, and what it said while the model loaded."""
+    down = rig.health.timeline.first(False, fault)
+    if down is None:
+        return "never notready"
+    health_codes = codes(rig.health.codes_between(down.at, loaded))
+    live_codes = codes(live.codes_between(fault, loaded))
+    return f"{shorten(down.reason)}; while loading /health {health_codes}, /live {live_codes}"
+
+
+async def watch_load(url: str) -> set[int | None]:
+    """Poll the engine's own /health until 200; return the statuses seen while loading."""
+    seen: set[int | None] = set()
+    deadline = now() + CAP
+    while now() < deadline:
+        code = await engine_health(url)
+        if code == 200:
+            return seen
+        seen.add(code)
+        await asyncio.sleep(POLL)
+    raise RuntimeError(f"the big model did not load within {CAP:g} s")
+
+
+def load_facts(
+    rig: Probers,
+    live: Poller,
+    fault: float,
+    restarted: float,
+    loaded: float,
+    engine_codes: set[int | None],
+) -> list[str]:
+    """What the engine and the sidecar said while the big model loaded."""
+    down = rig.health.timeline.first(False, fault)
+    health_codes = rig.health.codes_between(down.at, loaded) if down else set()
+    live_codes = live.codes_between(fault, loaded)
+    beside = rig.baseline.timeline
+    return [
+        f"engine started {loaded - restarted:.1f} s before its /health said 200 "
+        f"(its /health meanwhile: {codes(engine_codes)})",
+        f"sidecar /health from its first 503 to the model loaded: {codes(health_codes)}",
+        f"sidecar /live from the kill to the model loaded: {codes(live_codes)}",
+        f"baseline beside the engine, kill to loaded: {verdicts(beside, fault, loaded)}",
+    ]
+
+
+def codes(found: set[int | None]) -> str:
+    return ", ".join(sorted("no answer" if c is None else str(c) for c in found)) or "none"
+
+
+def verdicts(timeline: Timeline, start: float, end: float) -> str:
+    states = {timeline.state_at(start)} | {
+        c.ready for c in timeline.changes if start <= c.at <= end
+    }
+    return ", ".join(sorted({True: "ready", False: "notready", None: "?"}[s] for s in states))
+
+
+async def dynamo_lease(rng: random.Random) -> Rep:
+    """Dynamo mocker worker SIGSTOPped until the frontend drops its model, then SIGCONT."""
+    stack = Dynamo()
+    try:
+        await asyncio.to_thread(stack.start)
+        async with probers(stack.frontend_url, stack.close) as rig:
+            rig.add_poller(WORKER_HEALTH, f"{stack.worker_url}/health")
+            await ready_for_fault(rig, rng, 10.0)
+            before = await rig.sidecar_canaries()
+            assert stack.worker is not None
+            fault = now()
+            stack.worker.signal(signal.SIGSTOP)
+            dropped = await wait_for(lambda: not model_served(stack), CAP, interval=0.25)
+            recovery = now()
+            stack.worker.signal(signal.SIGCONT)
+            await asyncio.sleep(LEASE_OBSERVE)
+            return lease_results(rig, stack, fault, recovery, before, dropped)
+    finally:
+        await asyncio.to_thread(stack.close)
+
+
+def model_served(stack: Dynamo) -> bool:
+    try:
+        return stack.model_served()
+    except (httpx.HTTPError, ValueError):
+        return True
+
+
+def lease_results(
+    rig: Probers, stack: Dynamo, fault: float, recovery: float, before: int, dropped: bool
+) -> Rep:
+    rep = results(rig, fault, recovery, before)
+    worker = rig.extra[WORKER_HEALTH].timeline
+    note = "canary off (as tests/engines.py starts it); no answer while paused"
+    rep.probers[WORKER_HEALTH] = measure(worker, fault, recovery, None, note)
+    worker_status, worker_body = stack.worker_health()
+    _, sidecar_body = rig.sidecar.health()
+    rep.facts += [
+        f"frontend dropped the model after {recovery - fault:.1f} s paused"
+        if dropped
+        else f"frontend still listed the model after {CAP:g} s",
+        f"{LEASE_OBSERVE:g} s after SIGCONT: worker /health {worker_status} {worker_body}; "
+        f"frontend /health {stack.frontend_health()[0]}; "
+        f"sidecar 503 ({shorten(sidecar_body.get('reason', ''))}); "
+        f"baseline {'ready' if rig.baseline.ready else 'notready'} "
+        f"({shorten(rig.baseline.timeline.changes[-1].reason)})",
+    ]
+    return rep
+
+
+async def busy_hang(rng: random.Random) -> Rep:
+    """800 MB model under steady traffic (2 clients, 32 tokens), SIGSTOP held until both probers
+    say notready (at most 90 s), then SIGCONT."""
+    with llama_server("BIG_GGUF") as server:
+        await asyncio.to_thread(server.start)
+        async with probers(server.url, server.close, g2=True) as rig:
+            await ready_for_fault(rig, rng, 1.0)
+            async with load(rig, clients=2, max_tokens=32) as traffic:
+                await asyncio.sleep(SETTLE + 2)
+                before = await rig.sidecar_canaries()
+                fault = now()
+                server.freeze()
+                await wait_for(rig.none_ready, CAP + 5)
+                recovery = now()
+                server.thaw()
+                await rig.wait_ready(CAP)
+                rep = results(rig, fault, recovery, before)
+                rep.facts.append(
+                    f"held {recovery - fault:.0f} s; load: {traffic.served} requests served"
+                )
+                return rep
+
+
+async def busy_healthy(rng: random.Random) -> Rep:
+    """800 MB model, 4 clients streaming 32 tokens back to back for 30 s: no fault."""
+    with llama_server("BIG_GGUF") as server:
+        await asyncio.to_thread(server.start)
+        async with probers(server.url, server.close, g2=True) as rig:
+            await ready_for_fault(rig, rng, 0.0)
+            async with load(rig, clients=4, max_tokens=32) as traffic:
+                before = await rig.sidecar_canaries()
+                start = now()
+                await asyncio.sleep(BUSY_SECONDS)
+                rep = results(rig, start, None, before)
+                rep.facts.append(f"load: {traffic.served} requests served in {BUSY_SECONDS:g} s")
+                for name, timeline in rig.timelines().items():
+                    flips = len(timeline.flips(False, start, now()))
+                    rep.facts.append(f"{name}: {flips} false 503 episode(s)")
+                return rep
+
+
+@dataclass(frozen=True)
+class Scenario:
+    title: str  # the table's scenario column
+    run: Callable[[random.Random], Awaitable[Rep]]
+    what: str  # the fault, and what "time back to 200" is measured from
+
+
+SCENARIOS: dict[str, Scenario] = {
+    "idle-freeze": Scenario(
+        "1. frozen while idle",
+        idle_freeze,
+        "llama-server (tiny GGUF), idle; at a random point 0-10 s after both probers are ready, "
+        "SIGSTOP for 20 s, then SIGCONT. Back to 200 from SIGCONT.",
+    ),
+    "traffic-freeze": Scenario(
+        "2. frozen under steady traffic",
+        traffic_freeze,
+        "llama-server (tiny GGUF) under steady traffic (2 clients, streaming, 32 tokens, back to "
+        "back) for 3 s, then SIGSTOP for 20 s, then SIGCONT. Back to 200 from SIGCONT.",
+    ),
+    "kill-restart": Scenario(
+        "3. killed and restarted",
+        kill_restart,
+        "llama-server (tiny GGUF), idle; at a random point 0-10 s after both are ready, SIGKILL; "
+        "5 s later started again on the same port. Back to 200 from the engine's own /health 200.",
+    ),
+    "slow-load": Scenario(
+        "4. slow model load",
+        slow_load,
+        "llama-server (tiny GGUF), idle; at a random point 0-10 s after both are ready, SIGKILL "
+        "and at once started again with the 800 MB GGUF and `--load-mode dio` (its /health answers "
+        '503 "Loading model" meanwhile). Back to 200 from the engine\'s own /health 200.',
+    ),
+    "dynamo-lease": Scenario(
+        "5. Dynamo worker paused past its lease",
+        dynamo_lease,
+        "Dynamo mocker worker and frontend; the probers canary the frontend. At a random point "
+        "0-10 s after both are ready, SIGSTOP the worker until the frontend drops model `tiny` "
+        f"from /v1/models, then SIGCONT and watch {LEASE_OBSERVE:g} s. Back to 200 from SIGCONT.",
+    ),
+    "busy-hang": Scenario(
+        "6a. busy: hang under load",
+        busy_hang,
+        "llama-server (800 MB GGUF, about 3 s per request) under steady traffic (2 clients, "
+        "streaming, 32 tokens, back to back) for 5 s, then SIGSTOP, held until every prober "
+        f"says notready (at most {CAP:g} s), then SIGCONT. Back to 200 from SIGCONT.",
+    ),
+    "busy-healthy": Scenario(
+        "6b. busy but healthy",
+        busy_healthy,
+        "llama-server (800 MB GGUF) under heavy traffic (4 clients, streaming, 32 tokens, back to "
+        f"back: the engine is never idle) for {BUSY_SECONDS:g} s, no fault. Any 503 is a false "
+        "one; time to 503 is from the start of the traffic.",
+    ),
+}
+
+
+def scenario_list(names: Sequence[str]) -> str:
+    return "\n".join(f"- **{SCENARIOS[n].title}** (`{n}`): {SCENARIOS[n].what}" for n in names)
+
+
+# --- aggregation and the report ------------------------------------------------------------------
+def seconds(values: Sequence[float | None], never: str = "never") -> str:
+    """Median (min-max) in seconds; runs where it did not happen count as +infinity."""
+    if not values:
+        return "n/a"
+    ordered = sorted(float("inf") if v is None else v for v in values)
+    middle = statistics.median(ordered)
+
+    def show(value: float) -> str:
+        if value == float("inf"):
+            return never
+        return f"{value:.2f}" if value < 1 else f"{value:.1f}"
+
+    text = f"{show(middle)} s" if middle != float("inf") else never
+    if show(ordered[0]) != show(ordered[-1]):
+        text += f" ({show(ordered[0])}-{show(ordered[-1])})"
+    return text
+
+
+def counts(values: Sequence[int | None]) -> str:
+    known = [v for v in values if v is not None]
+    if not known:
+        return "—"
+    middle = statistics.median(known)
+    text = f"{middle:g}"
+    if min(known) != max(known):
+        text += f" ({min(known)}-{max(known)})"
+    return text
+
+
+def row(scenario: str, prober: str, runs: Sequence[ProberRun]) -> list[str]:
+    fixed = {r.fixed_503 for r in runs}
+    down = (
+        fixed.pop() if len(fixed) == 1 and None not in fixed else seconds([r.to_503 for r in runs])
+    )
+    came_back = [r.to_200 for r in runs if r.went_down]
+    if not came_back:
+        back = "n/a (never 503)"
+    else:
+        back = seconds(came_back)
+        if len(came_back) < len(runs):
+            back += f" [{len(came_back)} of {len(runs)} runs went 503]"
+    notes = "; ".join(dict.fromkeys(r.note for r in runs if r.note))
+    return [scenario, prober, down, back, counts([r.canaries for r in runs]), notes]
+
+
+def table(all_reps: dict[str, list[Rep]]) -> list[list[str]]:
+    rows = []
+    for name, reps in all_reps.items():
+        probers_seen: dict[str, None] = {}
+        for rep in reps:
+            probers_seen |= dict.fromkeys(rep.probers)
+        for prober in probers_seen:
+            runs = [rep.probers[prober] for rep in reps if prober in rep.probers]
+            rows.append(row(SCENARIOS[name].title, prober, runs))
+    return rows
+
+
+def markdown_table(rows: Sequence[Sequence[str]]) -> str:
+    header = ["scenario", "prober", "time to 503", "time back to 200", "canaries sent", "notes"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(cell.replace("|", "\\|") for cell in r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def facts(all_reps: dict[str, list[Rep]]) -> str:
+    lines = []
+    for name, reps in all_reps.items():
+        for index, rep in enumerate(reps, 1):
+            for fact in rep.facts:
+                lines.append(f"- `{name}` run {index}: {fact}")
+    return "\n".join(lines) or "- none"
+
+
+# --- the machine and the versions ----------------------------------------------------------------
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.partition(":")[2].strip()
+    return platform.processor() or "unknown"
+
+
+def command_output(argv: list[str], env: dict[str, str] | None = None) -> str:
+    try:
+        done = subprocess.run(
+            argv, capture_output=True, text=True, timeout=30, env=env, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"({argv[0]}: {exc})"
+    return (done.stdout + done.stderr).strip()
+
+
+def versions() -> dict[str, str]:
+    paths = engine_paths()
+    llama = command_output([paths["LLAMA_SERVER_BIN"], "--version"]).splitlines()
+    dynamo = command_output(
+        [
+            paths["DYNAMO_PYTHON"],
+            "-c",
+            "import importlib.metadata as m; print(m.version('ai-dynamo'))",
+        ]
+    )
+    sidecar = command_output([sys.executable, "-c", "import sidecar; print(sidecar.__version__)"])
+    return {
+        "llama.cpp llama-server": f"{llama[0] if llama else '?'} ({paths['LLAMA_SERVER_BIN']})",
+        "ai-dynamo (mocker worker, frontend)": f"{dynamo} ({paths['DYNAMO_PYTHON']})",
+        "health-sidecar": sidecar,
+        "models": f"{Path(paths['TINY_GGUF']).name} (0.5 MB), {Path(paths['BIG_GGUF']).name} "
+        "(800 MB); Dynamo mocker: tinymodel",
+    }
+
+
+def sidecar_plan() -> str:
+    env = base_env() | sidecar_env("http://127.0.0.1:8080") | {"DYN_SYSTEM_HOST": "127.0.0.1"}
+    return command_output([sys.executable, "-m", "sidecar", "--check-config"], env)
+
+
+# --- the document --------------------------------------------------------------------------------
+BASELINE_TEXT = """\
+The baseline (`bench/baseline.py`) reproduces Dynamo's canary loop as documented in
+`../shared/reference/dynamo-health.md` sections 2.4 and 2.5 (runtime generations G2 and G3), in
+the benchmark's own process, against the same engine URL as the sidecar and at the same time:
+
+- starts notready; one loop per endpoint waits for `DYN_CANARY_WAIT_TIME` (10 s) *or* an
+  activity notification; every notification restarts the full wait;
+- activity is each successful non-error chunk of real traffic and each completed stream (the
+  load generator, in the same process, notifies it as Dynamo's ingress does); a notification sets
+  the endpoint ready (G2+) and is a progress mark (G3);
+- when the wait runs out with no request in flight, one canary is dispatched and the loop waits a
+  full 10 s again (so a failing endpoint is re-probed every 10 s); the canary is a streaming
+  completion (`"stream": true`, `max_tokens` 1) judged on its **first chunk** within
+  `DYN_HEALTH_CHECK_REQUEST_TIMEOUT` (3 s); a timeout, an HTTP error, an error chunk or an empty
+  stream is notready, a good first chunk is ready: **one result flips** the verdict;
+- with requests in flight (G3) no canary is sent; requests in flight and no progress for
+  `DYN_HEALTH_CHECK_BUSY_STALL` (60 s) is notready, flagged exactly at the deadline (the best
+  case for the baseline).
+
+In the traffic scenarios (2, 6a, 6b) a second loop runs beside it, "baseline G2 (no busy
+rule)": the same loop as runtime generation G2 had it, without the in-flight rule (a canary
+after 10 s without a chunk even while requests are in flight, where it queues behind them) and
+without the stall budget.
+
+Two ways it differs from Dynamo, both stated where they matter: Dynamo's canary goes in-process
+to the engine, this one over HTTP to the URL the sidecar probes (for the Dynamo scenario, the
+frontend); and Dynamo's loop lives in the worker process, so it dies and restarts with it. For
+the kill and slow-load scenarios the table therefore has a second baseline row, "baseline,
+restarted with the engine": a fresh loop started when the engine is started again (notready, first
+canary after a full wait), as a restarted Dynamo worker would be; its time to 503 is 0 by
+construction (its `/health` dies with the worker).
+"""
+
+READING = """\
+How to read it: times are the median over the runs, with the range (min-max) in parentheses;
+"never" is "did not happen within the cap" (90 s for a transition; for the Dynamo scenario, 30 s
+after SIGCONT); "[k of N runs went 503]": time back to 200 is over those runs only. Time to 503
+is from the fault (SIGSTOP, SIGKILL; for the busy-but-healthy row, the start of the traffic: any
+503 there is a false one); time back to 200 is from the recovery action (SIGCONT; the restarted
+engine's own `/health` 200; the big model loaded). The sidecar's `/health`
+is polled every 50 ms (resolution ±50 ms); the baseline's verdict is timestamped when it changes.
+Canaries sent count from the fault until both probers are back (or the cap): the delta of the
+sidecar's `health_sidecar_canary_total` (all outcomes) and the baseline's dispatched canaries.
+The notes give the cause of the first 503 (the sidecar's `/health` reason, the baseline's
+verdict). The probers share the engine, as they would in a pod: a baseline canary that completes
+moves llama-server's counters, which the sidecar reads as progress (proof of health); the
+baselines hear only of the load generator's traffic, not of the sidecar's canaries.
+"""
+
+
+def load_average() -> str:
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+
+
+def document(
+    all_reps: dict[str, list[Rep]],
+    command: str,
+    started: datetime.datetime,
+    took: float,
+    loads: tuple[str, str],
+) -> str:
+    machine = f"{os.cpu_count()} CPUs ({cpu_model()}), {platform.platform()}"
+    version_lines = "\n".join(f"- {name}: {value}" for name, value in versions().items())
+    reps = max((len(r) for r in all_reps.values()), default=0)
+    return f"""# Fault benchmark: the sidecar's defaults beside Dynamo's canary loop
+
+Reproduce (from the repository root, engines prepared by `scripts/prepare_engines.sh`):
+
+```bash
+{command}
+```
+
+- date: {started.strftime("%Y-%m-%d %H:%M UTC")}; the run took {took / 60:.1f} min, {reps} run(s)
+  per scenario, each on a fresh engine, sidecar and baseline
+- machine: {machine};
+  shared with other work (load average {loads[0]} at the start,
+  {loads[1]} at the end), so single runs can be slower
+- the code: `bench/fault_matrix.py` (scenarios, load generator, measurement) and
+  `bench/baseline.py` (the baseline)
+
+Versions:
+
+{version_lines}
+
+## Results
+
+{markdown_table(table(all_reps))}
+
+{READING}
+## Scenarios
+
+{scenario_list(list(all_reps))}
+
+## What differs, and why
+
+{NOTES}
+
+## The probers
+
+The sidecar runs with its defaults (only the backend, the role, the engine URL and the endpoint
+list are set, as in `config/llamacpp-aggregated.env`; the Dynamo scenario points
+`SIDECAR_ENGINE_URL` at the frontend). Its plan, from `health-sidecar --check-config`:
+
+```text
+{sidecar_plan()}
+```
+
+{BASELINE_TEXT}
+The load generator runs in the benchmark's process: each client sends streaming completions
+(`max_tokens` 32, prompt "hello") back to back and notifies the baselines of every chunk.
+llama-server runs as `tests/engines.py` starts it (`-c 512 -t 1 -np 1 --metrics`): one request
+runs, the others wait in its queue.
+
+## Observations per run
+
+{facts(all_reps)}
+"""
+
+
+NOTES = """\
+- **A frozen llama-server (1, 2, 6a).** SIGSTOP freezes the whole process: its own `/health`
+  and its `/metrics` stop answering too. The sidecar checks `/health` every second with a 3 s
+  deadline, so it turns 503 about 3-4 s after the freeze, idle or busy, whatever the phase of its
+  canary cycle (its metrics reads time out as well, so the stall rule has nothing to read: the
+  registration timeout finds these hangs). The baseline, idle, needs its next canary (up to 10 s
+  away) plus its 3 s timeout. Under load it sends no canary (G3: requests are in flight) and
+  turns notready only when its 60 s busy-stall budget runs out, so a 20 s freeze under traffic is
+  never seen at all; the G2 loop (no in-flight rule) canaries after 10 s without a chunk and
+  flips at 13 s.
+- **Back after SIGCONT.** The sidecar's pending registration check completes as soon as the
+  engine runs again; it is ready at the first canary that passes or the first metrics read that
+  shows the counters advancing, whichever comes first: within a fraction of a second when the
+  engine is idle or its requests are short. Under load on the 800 MB model it sends no canary
+  (work is in flight), and progress it read before the engine registered again does not count,
+  so it waits for a metrics read after that: up to a metrics interval or two. This is the one
+  place where the sidecar is slower than the baseline, which is back at the first chunk of real
+  traffic. Idle, the baseline is back at its next canary (up to 10 s; at once when one was in
+  flight at SIGCONT).
+- **Killed and restarted (3).** A refused registration turns the sidecar 503 within a second,
+  and it is back within a registration interval of the engine serving again. The baseline
+  beside the engine learns of the kill only at its next canary (when none falls into the 5 s the
+  engine is down, it never notices) and of the restart at the one after. A Dynamo worker's own
+  loop dies with the worker (its `/health` is gone at once) and, restarted, waits a full 10 s
+  before its first canary: about 10 s back to 200.
+- **Slow load (4).** While the 800 MB model loads, llama-server answers 503 "Loading model"; the
+  sidecar says 503 with that reason, keeps `/live` at 200 (loading is not dead) and is ready
+  within a registration interval of the load ending. The baseline beside the engine sees the
+  load only if one of its canaries falls into it, and comes back at its next canary.
+- **Dynamo worker paused past its lease (5).** The frontend's own `/health` stays 200, so the
+  sidecar has no registration signal here and needs two failed canaries (failure threshold 2);
+  the baseline flips on one. This is the one scenario where the sidecar is slower to notice than
+  the baseline: both depend on when their next canary is due. Both send their canary through the
+  frontend, so both see the model disappear (HTTP 404) and stay 503: a paused-and-resumed worker
+  never re-registers. The sidecar keeps re-probing every second (many cheap 404s); the baseline
+  every 10 s. Dynamo's own worker `/health` (canary off, as `tests/engines.py` starts it) does
+  not answer while the worker is paused (a probe times out) and says 200 `ready` again at once
+  after SIGCONT, although the frontend no longer routes to it. Dynamo's own canary goes to the
+  engine in-process, so it would not see the 404 either.
+- **Busy but healthy (6b).** An engine that is never idle: neither prober shows a false 503 and
+  neither sends a canary (the sidecar because requests are in flight and the counters advance;
+  the baselines because every chunk restarts their wait). The false positives Dynamo's G2 loop is
+  known for (a prefill longer than 10 s without a chunk) are not reproduced by this traffic.
+"""
+
+
+# --- main ----------------------------------------------------------------------------------------
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.fault_matrix", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument("--reps", type=int, default=3, help="runs per scenario (default 3)")
+    parser.add_argument(
+        "--only",
+        action="append",
+        choices=sorted(SCENARIOS),
+        metavar="SCENARIO",
+        help=f"run only this scenario (repeatable): {', '.join(SCENARIOS)}",
+    )
+    parser.add_argument("--seed", type=int, default=None, help="seed of the random fault offsets")
+    parser.add_argument(
+        "--out", type=Path, default=None, help=f"write the Markdown here (default {DEFAULT_OUT})"
+    )
+    args = parser.parse_args(argv)
+    if args.reps < 1:
+        parser.error("--reps must be at least 1")
+    return args
+
+
+def check_engines() -> None:
+    paths = engine_paths()
+    keys = ("LLAMA_SERVER_BIN", "TINY_GGUF", "BIG_GGUF", "DYNAMO_PYTHON", "DYNAMO_MODEL_DIR")
+    missing = [k for k in keys if not paths.get(k) or not Path(paths[k]).exists()]
+    if missing:
+        raise SystemExit(
+            f"real engines missing ({', '.join(missing)}): run scripts/prepare_engines.sh"
+        )
+
+
+async def run_all(names: Sequence[str], reps: int, rng: random.Random) -> dict[str, list[Rep]]:
+    done: dict[str, list[Rep]] = {}
+    for name in names:
+        done[name] = []
+        for index in range(1, reps + 1):
+            started = now()
+            print(f"[{name} {index}/{reps}] {SCENARIOS[name].title}", file=sys.stderr, flush=True)
+            try:
+                rep = await SCENARIOS[name].run(rng)
+            except Exception as exc:  # one broken run must not lose the others
+                rep = Rep(facts=[f"run failed: {type(exc).__name__}: {exc}"])
+            done[name].append(rep)
+            print(f"    {now() - started:.0f} s: {summary(rep)}", file=sys.stderr, flush=True)
+    return done
+
+
+def summary(rep: Rep) -> str:
+    def show(value: float | None) -> str:
+        return "never" if value is None else f"{value:.1f}"
+
+    return "; ".join(
+        f"{name}: 503 {show(r.to_503)}, 200 {show(r.to_200)}, canaries {r.canaries}"
+        for name, r in rep.probers.items()
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    check_engines()
+    names = [n for n in SCENARIOS if n in (args.only or SCENARIOS)]
+    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**32)
+    command = ".venv/bin/python -m bench.fault_matrix " + shlex.join(
+        [f"--reps={args.reps}", f"--seed={seed}", *(f"--only={n}" for n in args.only or ())]
+    )
+    started = datetime.datetime.now(datetime.UTC)
+    clock, load_before = now(), load_average()
+    all_reps = asyncio.run(run_all(names, args.reps, random.Random(seed)))
+    took = now() - clock
+    print(markdown_table(table(all_reps)))
+    print(facts(all_reps))
+    out = args.out if args.out is not None else (DEFAULT_OUT if not args.only else None)
+    if out is not None:
+        loads = (load_before, load_average())
+        out.write_text(document(all_reps, command, started, took, loads))
+        print(f"wrote {out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
