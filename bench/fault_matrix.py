@@ -36,7 +36,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench.baseline import DynamoCanaryLoop, Timeline
 from tests.engines import Dynamo, LlamaServer, engine_paths
-from tests.harness import ROOT, Sidecar, base_env
+from tests.harness import ROOT, FakeEngine, Sidecar, base_env
 
 MODEL = "tiny"  # llama-server's --alias and the mocker's --model-name (tests/engines.py)
 POLL = 0.05  # seconds between reads of the sidecar's /health
@@ -161,12 +161,12 @@ def sidecar_canaries(metrics_text: str) -> int:
     return round(total)
 
 
-def sidecar_env(engine_url: str) -> dict[str, str]:
+def sidecar_env(engine_url: str, backend: str = "openai") -> dict[str, str]:
     """The sidecar's defaults, as config/llamacpp-aggregated.env sets them, for this engine."""
     return {
         "DYN_HEALTH_CHECK_ENABLED": "true",
         "DYN_SYSTEM_USE_ENDPOINT_HEALTH_STATUS": '["generate"]',
-        "SIDECAR_BACKEND": "openai",
+        "SIDECAR_BACKEND": backend,
         "SIDECAR_DISAGGREGATION_MODE": "aggregated",
         "SIDECAR_MODEL_TYPE": "text",
         "SIDECAR_ENGINE_URL": engine_url,
@@ -286,14 +286,14 @@ class Probers:
 
 @contextlib.asynccontextmanager
 async def probers(
-    engine_url: str, stop_engine: Callable[[], None], *, g2: bool = False
+    engine_url: str, stop_engine: Callable[[], None], *, g2: bool = False, backend: str = "openai"
 ) -> AsyncIterator[Probers]:
     """The sidecar (defaults) and the baseline (and with ``g2`` the G2 loop as well) against
     ``engine_url``; all ended on exit.
 
     ``stop_engine`` (idempotent) runs before the sidecar is stopped: a sidecar whose engine is
     gone exits at once on SIGTERM, one whose engine still answers drains first."""
-    side = Sidecar(sidecar_env(engine_url))
+    side = Sidecar(sidecar_env(engine_url, backend))
     health = Poller(f"{side.url}/health")
     rig = Probers(engine_url, side, health, {}, {}, [])
     try:
@@ -600,6 +600,35 @@ async def busy_hang(rng: random.Random) -> Rep:
                 return rep
 
 
+async def busy_gpu_hang(rng: random.Random) -> Rep:
+    """The fake vLLM engine under steady traffic; its GPU loop hangs while its own /health, its
+    /v1/models and its /metrics keep answering (a hung EngineCore). SIGSTOP cannot show this."""
+    fake = FakeEngine("vllm")
+    await asyncio.to_thread(fake.start)
+    try:
+        await asyncio.to_thread(fake.fault, latency=1.0)  # 32 tokens in about 1 s
+        async with probers(fake.url, fake.close, g2=True, backend="vllm") as rig:
+            await ready_for_fault(rig, rng, 1.0)
+            async with load(rig, clients=2, max_tokens=32) as traffic:
+                await asyncio.sleep(SETTLE + 2)
+                before = await rig.sidecar_canaries()
+                fault = now()
+                await asyncio.to_thread(fake.fault, hang_generation=True)
+                await wait_for(rig.none_ready, CAP + 5)
+                recovery = now()
+                engine_said = await engine_health(fake.url)
+                await asyncio.to_thread(fake.fault, hang_generation=False)
+                await rig.wait_ready(CAP)
+                rep = results(rig, fault, recovery, before)
+                rep.facts.append(
+                    f"held {recovery - fault:.0f} s; the engine's own /health said "
+                    f"{engine_said} while hung; load: {traffic.served} requests served"
+                )
+                return rep
+    finally:
+        fake.close()
+
+
 async def busy_healthy(rng: random.Random) -> Rep:
     """800 MB model, 4 clients streaming 32 tokens back to back for 30 s: no fault."""
     with llama_server("BIG_GGUF") as server:
@@ -664,6 +693,14 @@ SCENARIOS: dict[str, Scenario] = {
         "llama-server (800 MB GGUF, about 3 s per request) under steady traffic (2 clients, "
         "streaming, 32 tokens, back to back) for 5 s, then SIGSTOP, held until every prober "
         f"says notready (at most {CAP:g} s), then SIGCONT. Back to 200 from SIGCONT.",
+    ),
+    "busy-gpu-hang": Scenario(
+        "6c. busy: GPU loop hung under load, engine /health 200",
+        busy_gpu_hang,
+        "the project's fake vLLM engine (32 tokens in about 1 s) under steady traffic (2 clients, "
+        "streaming, 32 tokens, back to back) for 5 s; then its generation hangs while its "
+        "/health, /v1/models and /metrics still answer 200, held until every prober says "
+        f"notready (at most {CAP:g} s), then released. Back to 200 from the release.",
     ),
     "busy-healthy": Scenario(
         "6b. busy but healthy",
@@ -955,6 +992,14 @@ NOTES = """\
   not answer while the worker is paused (a probe times out) and says 200 `ready` again at once
   after SIGCONT, although the frontend no longer routes to it. Dynamo's own canary goes to the
   engine in-process, so it would not see the 404 either.
+- **A hung GPU loop under load (6c).** What SIGSTOP cannot show: the engine's generation hangs
+  while its own `/health`, `/v1/models` and `/metrics` keep answering 200 (a hung vLLM
+  EngineCore, here the project's fake vLLM engine). The sidecar's stall rule sees requests in
+  flight and no counter advancing for its 5 s window (the canary timeout + 2 s) and turns 503
+  with reason `stalled`, saying that the engine's own health route still answers 200, without
+  queuing a canary behind the stuck work. Dynamo's G3 loop sends no canary either (requests are
+  in flight) and waits out its 60 s busy-stall budget; the G2 loop canaries after 10 s without a
+  chunk and flips at 13 s.
 - **Busy but healthy (6b).** An engine that is never idle: neither prober shows a false 503 and
   neither sends a canary (the sidecar because requests are in flight and the counters advance;
   the baselines because every chunk restarts their wait). The false positives Dynamo's G2 loop is
