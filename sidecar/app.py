@@ -48,9 +48,9 @@ def create_app(settings: Settings, health: Health, metrics: Metrics) -> FastAPI:
         redoc_url=None,
     )
 
-    async def readiness() -> JSONResponse:
-        ready, body = health.report()
-        return JSONResponse(body, status_code=200 if ready else 503)
+    async def readiness() -> Response:
+        ready, body = health.report_json()
+        return Response(body, status_code=200 if ready else 503, media_type="application/json")
 
     async def liveness() -> JSONResponse:
         live, body = health.live_report()

@@ -31,16 +31,19 @@ disable_created_metrics()
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
-def _task_count() -> float:
+def _task_count(loops: list[asyncio.AbstractEventLoop]) -> float:
+    """Tasks of the running loop (the HTTP server's) and of the other loops (the monitor's)."""
     try:
-        return float(len(asyncio.all_tasks()))
-    except RuntimeError:  # collected outside the event loop (not in the sidecar itself)
-        return float("nan")
+        count = len(asyncio.all_tasks())
+    except RuntimeError:  # collected outside any event loop
+        count = 0
+    return float(count + sum(len(asyncio.all_tasks(loop)) for loop in loops))
 
 
 class _VerdictCollector(Collector):
-    def __init__(self, health: Health) -> None:
+    def __init__(self, health: Health, loops: list[asyncio.AbstractEventLoop]) -> None:
         self.health = health
+        self.loops = loops
 
     def collect(self) -> Iterator[GaugeMetricFamily | InfoMetricFamily]:
         health = self.health
@@ -122,7 +125,7 @@ class _VerdictCollector(Collector):
         yield GaugeMetricFamily(
             f"{PREFIX}_asyncio_tasks",
             "Tasks alive in the sidecar's event loop (flat over time: nothing leaks).",
-            value=_task_count(),
+            value=_task_count(self.loops),
         )
 
 
@@ -159,7 +162,9 @@ class Metrics:
             for outcome in Outcome:
                 self.canaries.labels(name, outcome.value)
             self.latency.labels(name)
-        self.registry.register(_VerdictCollector(health))
+        # Event loops besides the HTTP server's whose tasks count in health_sidecar_asyncio_tasks.
+        self.loops: list[asyncio.AbstractEventLoop] = []
+        self.registry.register(_VerdictCollector(health, self.loops))
         health.listeners.append(
             Listener(self._on_canary, self._on_transition, self.disagreements_inc)
         )

@@ -1,6 +1,7 @@
 """Wiring and lifecycle: build the parts from settings, serve HTTP and run the monitor together.
 
-One asyncio task serves HTTP (uvicorn), one runs the monitor; both are owned here. SIGTERM drains
+One asyncio task serves HTTP (uvicorn); the monitor runs on its own event loop in a thread of
+its own (so that no load on the probes delays a canary); both are owned here. SIGTERM drains
 (readiness 503 until the engine is gone or the drain timeout), SIGINT stops at once; then the
 monitor is cancelled; the engine client is closed last.
 A monitor that dies of an unexpected error stops the process with exit code 1 rather than
@@ -10,9 +11,11 @@ serving a frozen verdict.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import signal
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
@@ -24,7 +27,7 @@ from sidecar.canary import CanaryPlan, plan_canary
 from sidecar.config import Settings
 from sidecar.engine import EngineClient
 from sidecar.metrics import Metrics
-from sidecar.monitor import Monitor, wait_event
+from sidecar.monitor import Monitor
 from sidecar.state import Health
 
 log = logging.getLogger("sidecar")
@@ -46,6 +49,77 @@ def build(settings: Settings) -> Parts:
     app = create_app(settings, health, metrics)
     registration_path = settings.registration_path or plan.prober.registration_path
     return Parts(plan, health, metrics, app, registration_path)
+
+
+DRAIN_POLL = 0.05
+
+
+def _new_loop() -> asyncio.AbstractEventLoop:
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop comes with uvicorn[standard]
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
+
+
+class MonitorThread:
+    """The monitor, with the engine client, on an event loop of its own in its own thread: however
+    many probes the HTTP server answers, canaries leave on time. It writes the state (``Health``
+    replaces immutable values), the HTTP routes only read it."""
+
+    def __init__(self, settings: Settings, parts: Parts) -> None:
+        self.settings = settings
+        self.parts = parts
+        self.loop = _new_loop()
+        self.thread = threading.Thread(target=self._serve_loop, name="monitor", daemon=True)
+        self.finished = threading.Event()
+        self._future: concurrent.futures.Future[None] | None = None
+
+    def _serve_loop(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    async def _main(self) -> None:
+        settings, parts = self.settings, self.parts
+        client = EngineClient(
+            settings.engine_url,
+            timeout=settings.request_timeout,
+            max_bytes=settings.max_response_bytes,
+            api_key=settings.engine_api_key.get_secret_value() if settings.engine_api_key else None,
+            clock=parts.health.clock,
+        )
+        watch_progress = settings.health_check_enabled and settings.progress_enabled
+        spec = parts.plan.prober.progress
+        if settings.metrics_path is not None:
+            spec = replace(spec, path=settings.metrics_path)
+        monitor = Monitor(
+            parts.health,
+            client,
+            parts.registration_path,
+            settings.registration_interval,
+            progress=spec if watch_progress else None,
+            metrics_interval=settings.metrics_interval,
+        )
+        try:
+            await monitor.run()
+        finally:
+            await client.aclose()
+            self.finished.set()
+
+    def start(self) -> asyncio.Future[None]:
+        """Start the thread and the monitor; the future ends if the monitor stops."""
+        self.thread.start()
+        self._future = asyncio.run_coroutine_threadsafe(self._main(), self.loop)
+        return asyncio.wrap_future(self._future)
+
+    async def stop(self) -> None:
+        """Cancel the monitor, let it close the engine client, end the thread."""
+        if self._future is not None and self._future.cancel():
+            await asyncio.to_thread(self.finished.wait, 2.0)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        await asyncio.to_thread(self.thread.join, 2.0)
+        if not self.thread.is_alive():
+            self.loop.close()
 
 
 class _Server(uvicorn.Server):
@@ -77,14 +151,13 @@ async def serve(settings: Settings) -> int:
         """Readiness 503 at once; keep serving until the engine is gone or the grace ends."""
         parts.health.start_draining()
         deadline = loop.time() + settings.drain_timeout
-        while not parts.health.engine_gone():
-            remaining = deadline - loop.time()
-            if remaining <= 0:
+        while not parts.health.engine_gone():  # the monitor's thread keeps it current
+            if loop.time() >= deadline:
                 log.info(
                     "drain: %g s passed with the engine still up; exiting", settings.drain_timeout
                 )
                 break
-            await wait_event(parts.health.changed(), remaining)
+            await asyncio.sleep(DRAIN_POLL)
         else:
             log.info("drain: the engine is gone; exiting")
         server.should_exit = True
@@ -109,25 +182,8 @@ async def serve(settings: Settings) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop, sig)
 
-    client = EngineClient(
-        settings.engine_url,
-        timeout=settings.request_timeout,
-        max_bytes=settings.max_response_bytes,
-        api_key=settings.engine_api_key.get_secret_value() if settings.engine_api_key else None,
-        clock=parts.health.clock,
-    )
-    watch_progress = settings.health_check_enabled and settings.progress_enabled
-    spec = parts.plan.prober.progress
-    if settings.metrics_path is not None:
-        spec = replace(spec, path=settings.metrics_path)
-    monitor = Monitor(
-        parts.health,
-        client,
-        parts.registration_path,
-        settings.registration_interval,
-        progress=spec if watch_progress else None,
-        metrics_interval=settings.metrics_interval,
-    )
+    monitor = MonitorThread(settings, parts)
+    parts.metrics.loops.append(monitor.loop)
     log.info(
         "health-sidecar serving http://%s:%d (%s, %s): engine %s, canary %s",
         settings.system_host,
@@ -142,7 +198,7 @@ async def serve(settings: Settings) -> int:
         with contextlib.suppress(SystemExit):  # uvicorn exits this way when it cannot bind
             await server.serve()
 
-    monitor_task = asyncio.create_task(monitor.run(), name="monitor")
+    monitor_task = monitor.start()
     server_task = asyncio.create_task(http(), name="http")
     code = 0
     try:
@@ -158,9 +214,7 @@ async def serve(settings: Settings) -> int:
         if drain_task is not None:
             drain_task.cancel()
             await asyncio.gather(drain_task, return_exceptions=True)
-        monitor_task.cancel()
-        await asyncio.gather(monitor_task, return_exceptions=True)
-        await client.aclose()
+        await monitor.stop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
     if not server.started:
@@ -169,9 +223,5 @@ async def serve(settings: Settings) -> int:
 
 
 def run(settings: Settings) -> int:
-    try:
-        import uvloop
-    except ImportError:  # pragma: no cover - uvloop comes with uvicorn[standard]
-        return asyncio.run(serve(settings))
-    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+    with asyncio.Runner(loop_factory=_new_loop) as runner:
         return runner.run(serve(settings))

@@ -10,7 +10,9 @@ waits for a change. The HTTP routes only read (:meth:`Health.readiness`,
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -83,6 +85,9 @@ class Health:
         self._last_verdicts = {n: endpoint_verdict(s).ready for n, s in self.endpoints.items()}
         self._disagreeing = dict.fromkeys(self.endpoints, False)
         self.draining = False
+        self.version = 0  # +1 at every change of state: the /health body cache's key
+        self._version_lock = threading.Lock()  # written by the monitor's and the HTTP thread
+        self._report_cache: tuple[int, bool, bytes, bytes] | None = None
 
     # --- writers -------------------------------------------------------------------------------
     def record_registration(self, name: str, result: RegistrationResult) -> None:
@@ -128,20 +133,25 @@ class Health:
             for s in self.endpoints.values()
         )
 
+    def _bump(self) -> None:
+        with self._version_lock:
+            self.version += 1
+
     def start_draining(self) -> None:
         if not self.draining:
             self.draining = True
+            self._bump()
             self.evaluate()
-            self._changed.set()
-            self._changed = asyncio.Event()
 
     def set_model(self, name: str, model: str | None) -> None:
         if self.models[name] != model:
             log.info("%s: served model is %r (from GET /v1/models)", name, model)
             self.models[name] = model
+            self._bump()
 
     def _commit(self, name: str, state: EndpointState) -> None:
         self.endpoints[name] = state
+        self._bump()
         verdict = endpoint_verdict(state)
         if verdict.ready != self._last_verdicts[name]:
             self._last_verdicts[name] = verdict.ready
@@ -199,6 +209,27 @@ class Health:
         secs = int(elapsed)
         return {"secs": secs, "nanos": int((elapsed - secs) * 1e9)}
 
+    def report_json(self) -> tuple[bool, bytes]:
+        """The /health body as JSON bytes. Everything but the uptime changes only when the state
+        does, so it is serialised once per change: probes cost microseconds."""
+        version = self.version
+        cached = self._report_cache
+        if cached is None or cached[0] != version:
+            ready, body = self.report()
+            del body["status"], body["uptime"]
+            tail = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+            cached = (
+                version,
+                ready,
+                b'"status":"%s",' % (b"ready" if ready else b"notready"),
+                tail,
+            )
+            self._report_cache = cached
+        _, ready, status, tail = cached
+        uptime = self.uptime()
+        head = b'{%s"uptime":{"secs":%d,"nanos":%d},' % (status, uptime["secs"], uptime["nanos"])
+        return ready, head + tail[1:]
+
     def report(self) -> tuple[bool, dict[str, Any]]:
         """The /health body: Dynamo's fields first, then the sidecar's detail."""
         readiness = self.readiness()
@@ -245,8 +276,8 @@ class Health:
             "model": self.models.get(state.name),
             "consecutive_failures": state.consecutive_failures,
             "consecutive_successes": state.consecutive_successes,
-            "hard_failure_seconds": (
-                round(now - state.hard_failure_since, 3)
+            "hard_failure_since": (
+                _iso(time.time() - (now - state.hard_failure_since))
                 if state.hard_failure_since is not None
                 else None
             ),
