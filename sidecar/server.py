@@ -70,7 +70,9 @@ class MonitorThread:
     def __init__(self, settings: Settings, parts: Parts) -> None:
         self.settings = settings
         self.parts = parts
-        self.loop = _new_loop()
+        # The standard event loop, not uvloop: a few requests a second need no speed, and against
+        # an engine that floods an oversized answer uvloop's eager reads held far more memory.
+        self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self._serve_loop, name="monitor", daemon=True)
         self.finished = threading.Event()
         self._future: concurrent.futures.Future[None] | None = None
