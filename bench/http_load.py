@@ -18,7 +18,7 @@ is *late* when its lateness exceeds ``--late-ms`` (default 100 ms) and *skipped*
 interval exceeds 1.5 times the expected one. Measured during every wrk run and in idle windows
 (no wrk) before and after the rounds, so load and idle compare side by side.
 
-    .venv/bin/python -m bench.http_load                 # the full run (about 8 minutes)
+    .venv/bin/python -m bench.http_load                 # the full run (about 7 minutes)
     .venv/bin/python -m bench.http_load --seconds 2 --warmup 1 --rounds 1 --no-wait  # smoke
 """
 
