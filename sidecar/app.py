@@ -1,6 +1,7 @@
-"""The HTTP app: /health, /live and /metrics, answered from the current state in microseconds.
+"""The HTTP app: /health, /live, /metrics and /sidecar/live, answered from the current snapshot.
 
-No route waits on the engine, reads a request body or query string, or changes any state.
+No route waits on the engine, reads a request body or query string, or changes any state. Each
+answer reads ``health.snapshot`` once.
 """
 
 from __future__ import annotations
@@ -14,8 +15,11 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from sidecar import __version__
 from sidecar.config import Settings
+from sidecar.health import Health
 from sidecar.metrics import Metrics
-from sidecar.state import Health
+from sidecar.report import health_body, live_body, sidecar_body
+
+SIDECAR_LIVE_PATH = "/sidecar/live"
 
 
 def probe_route(
@@ -48,12 +52,16 @@ def create_app(settings: Settings, health: Health, metrics: Metrics) -> FastAPI:
         redoc_url=None,
     )
 
-    async def readiness() -> Response:
-        ready, body = health.report_json()
-        return Response(body, status_code=200 if ready else 503, media_type="application/json")
+    async def readiness() -> JSONResponse:
+        ready, body = health_body(health.snapshot, health.started, health.clock())
+        return JSONResponse(body, status_code=200 if ready else 503)
 
     async def liveness() -> JSONResponse:
-        live, body = health.live_report()
+        live, body = live_body(health.snapshot, health.started, health.clock())
+        return JSONResponse(body, status_code=200 if live else 503)
+
+    async def sidecar_liveness() -> JSONResponse:
+        live, body = sidecar_body(health.snapshot, health.started, health.clock())
         return JSONResponse(body, status_code=200 if live else 503)
 
     async def prometheus() -> Response:
@@ -77,6 +85,16 @@ def create_app(settings: Settings, health: Health, metrics: Metrics) -> FastAPI:
         {
             200: {"description": "Live: no sustained hard failure."},
             503: {"description": "Sustained hard failure: restarting the engine may help."},
+        },
+    )
+    probe_route(
+        app,
+        SIDECAR_LIVE_PATH,
+        sidecar_liveness,
+        "The sidecar's own liveness",
+        {
+            200: {"description": "The sidecar's monitor runs."},
+            503: {"description": "The monitor has stopped: restart the sidecar (not the engine)."},
         },
     )
     probe_route(

@@ -63,12 +63,14 @@ def _configure_logging(settings: Settings) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    if args.command == "demo":
-        from sidecar.demo import main as demo
-
-        return demo()
+    demo = args.command == "demo"
     try:
-        settings = load_settings(args.env_file)
+        if demo:
+            from sidecar.demo import demo_defaults
+
+            settings = load_settings(args.env_file, demo_defaults())
+        else:
+            settings = load_settings(args.env_file)
     except ConfigError as exc:
         for line in exc.lines:
             print(f"health-sidecar: configuration error: {line}", file=sys.stderr)
@@ -88,6 +90,10 @@ def main(argv: list[str] | None = None) -> int:
             return EXIT_CONFIG
         return 0
     _configure_logging(settings)
+    if demo:
+        from sidecar.demo import run as run_demo
+
+        return run_demo(settings)
     from sidecar.server import run
 
     return run(settings)

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import os
 import re
+from collections.abc import Mapping
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any
 from urllib.parse import urlsplit
 
+from dotenv import dotenv_values
 from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
@@ -27,7 +30,11 @@ MONITORED_ENDPOINTS: tuple[str, ...] = (GENERATE,)
 MAX_SECONDS = 86_400.0
 MAX_VALUE_SHOWN = 80
 # Routes the sidecar serves itself; the probe paths may not take them.
-RESERVED_ROUTES = {"/metrics": "the metrics route", "/openapi.json": "the OpenAPI schema route"}
+RESERVED_ROUTES = {
+    "/metrics": "the metrics route",
+    "/openapi.json": "the OpenAPI schema route",
+    "/sidecar/live": "the sidecar's own liveness route",
+}
 _HOST_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
 _TOKEN = re.compile(r"[\x21-\x7e]+")  # visible ASCII: what an HTTP header value can carry
 _CREDENTIALS = re.compile(r"(//)[^/@]*@")
@@ -506,13 +513,21 @@ def _cross_checks(s: Settings) -> list[str]:
     return lines
 
 
-def load_settings(env_file: str | None = None) -> Settings:
-    """Read and validate the configuration from the environment (and an optional env file)."""
+def load_settings(
+    env_file: str | None = None, defaults: Mapping[str, str] | None = None
+) -> Settings:
+    """Read and validate the configuration from the environment and an optional env file (the
+    environment wins). ``defaults`` give values to variables set in neither."""
     kwargs: dict[str, Any] = {}
+    present = set(os.environ)
     if env_file is not None:
         if not Path(env_file).is_file():
             raise ConfigError([f"--env-file={env_file!r}: expected an existing file"])
         kwargs["_env_file"] = env_file
+        present |= {k for k, v in dotenv_values(env_file).items() if v}
+    for name, value in (defaults or {}).items():
+        if name not in present:
+            kwargs[name] = value
     try:
         settings = Settings(**kwargs)
     except ValidationError as exc:

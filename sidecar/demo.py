@@ -1,8 +1,9 @@
 """``health-sidecar demo``: see the sidecar work in one command.
 
-Uses the engine at SIDECAR_ENGINE_URL when one answers there; otherwise starts the bundled fake
-engine (``python -m sidecar.fakeengine``) on a free loopback port, and ends it on exit. Canaries
-are on with a short wait unless the environment says otherwise.
+Reads the configuration as ``serve`` does (environment, then ``--env-file``), with demo defaults
+for what neither sets: canaries on, a short wait. Uses the engine at SIDECAR_ENGINE_URL when one
+answers there; otherwise starts the bundled fake engine of the configured backend and role
+(``python -m sidecar.fakeengine``) on a free loopback port, and ends it on exit.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from pathlib import Path
 
 import httpx
 
+from sidecar.config import Settings
+
 LOOPBACK = "127.0.0.1"
 DEMO_DEFAULTS = {
     "DYN_HEALTH_CHECK_ENABLED": "true",
@@ -30,7 +33,7 @@ DEMO_DEFAULTS = {
 }
 
 
-def _port_free(port: int) -> bool:
+def port_free(port: int) -> bool:
     with socket.socket() as sock:
         try:
             sock.bind((LOOPBACK, port))
@@ -39,10 +42,15 @@ def _port_free(port: int) -> bool:
         return True
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as sock:
         sock.bind((LOOPBACK, 0))
         return int(sock.getsockname()[1])
+
+
+def demo_defaults() -> dict[str, str]:
+    """DEMO_DEFAULTS, and a port: 9090 when free, else any free one."""
+    return DEMO_DEFAULTS | {"DYN_SYSTEM_PORT": str(9090 if port_free(9090) else free_port())}
 
 
 def _engine_answers(url: str) -> bool:
@@ -76,31 +84,26 @@ def _fake_engine(backend: str, mode: str) -> Iterator[str]:
             proc.wait()
 
 
-def main() -> int:
-    from sidecar.cli import main as cli_main
+def run(settings: Settings) -> int:
+    from sidecar.server import run as serve
 
-    for key, value in DEMO_DEFAULTS.items():
-        os.environ.setdefault(key, value)
-    if "DYN_SYSTEM_PORT" not in os.environ:
-        os.environ["DYN_SYSTEM_PORT"] = str(9090 if _port_free(9090) else _free_port())
-    port = os.environ["DYN_SYSTEM_PORT"]
-    base = f"http://{os.environ['DYN_SYSTEM_HOST']}:{port}"
-    engine_url = os.environ.get("SIDECAR_ENGINE_URL", "http://127.0.0.1:8000")
-
+    base = f"http://{settings.system_host}:{settings.system_port}"
     with contextlib.ExitStack() as stack:
-        if _engine_answers(engine_url):
-            print(f"demo: using the engine that answers at {engine_url}")
-            hint = ""
+        hint = ""
+        if _engine_answers(settings.engine_url):
+            print(f"demo: using the engine that answers at {settings.engine_url}")
         else:
-            backend = os.environ.setdefault("SIDECAR_BACKEND", "vllm")
-            mode = os.environ.setdefault("SIDECAR_DISAGGREGATION_MODE", "aggregated")
-            print(f"demo: no engine answers at {engine_url}; starting the fake {backend} engine")
-            engine_url = stack.enter_context(_fake_engine(backend, mode))
-            os.environ["SIDECAR_ENGINE_URL"] = engine_url
+            backend, mode = settings.backend.value, settings.disaggregation_mode.value
+            print(
+                f"demo: no engine answers at {settings.engine_url}; starting the fake {backend} "
+                f"engine ({mode})"
+            )
+            url = stack.enter_context(_fake_engine(backend, mode))
+            settings = settings.model_copy(update={"engine_url": url})
             hint = (
-                f"  hang the engine's GPU loop:  curl -s -X POST {engine_url}/_fake/fault "
+                f"  hang the engine's GPU loop:  curl -s -X POST {url}/_fake/fault "
                 """-d '{"hang_generation": true}'\n"""
-                f"  and release it:              curl -s -X POST {engine_url}/_fake/fault "
+                f"  and release it:              curl -s -X POST {url}/_fake/fault "
                 """-d '{"hang_generation": false}'\n"""
             )
         print(
@@ -108,4 +111,4 @@ def main() -> int:
             f"  curl -s {base}/health\n  curl -s {base}/live\n  curl -s {base}/metrics\n{hint}",
             flush=True,
         )
-        return cli_main([])
+        return serve(settings)

@@ -1,8 +1,9 @@
 """The engine client: the only code that talks to the engine, and only to SIDECAR_ENGINE_URL.
 
 Every call has a deadline over the whole exchange (connect, headers and the complete body), not
-just the first byte, and reads at most SIDECAR_MAX_RESPONSE_BYTES. Every failure comes back as a
-result with a precise reason; nothing here raises to the caller.
+just the first byte, and reads at most SIDECAR_MAX_RESPONSE_BYTES (also once decompressed: it
+asks for identity encoding, and undoes gzip or deflate when an engine compresses anyway).
+Every failure comes back as a result with a precise reason; nothing here raises to the caller.
 """
 
 from __future__ import annotations
@@ -10,22 +11,26 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from enum import StrEnum
 from typing import Any
 
 import httpx
 
 from sidecar import __version__
 from sidecar.canary import CanaryPlan, CanaryRequest
-from sidecar.rules import CanaryResult, Outcome, Probe, RegistrationResult
+from sidecar.evidence.result import Outcome, Result
 
 USER_AGENT = f"health-sidecar/{__version__}"
 ERROR_TEXT_CHARS = 200
 
 
 class BodyTooLarge(Exception):
+    pass
+
+
+class BadEncoding(Exception):
     pass
 
 
@@ -37,18 +42,11 @@ class Answer:
     location: str | None
 
 
-class Failure(StrEnum):
-    """Why an exchange produced no answer."""
-
-    TIMEOUT = "timeout"
-    TOO_LARGE = "too_large"
-    REFUSED = "refused"
-    BROKEN = "broken"
-
-
 @dataclass(frozen=True)
 class NoAnswer:
-    failure: Failure
+    """Why an exchange produced no answer, as the outcome a canary or a check records."""
+
+    outcome: Outcome
     reason: str
 
 
@@ -73,31 +71,38 @@ def _error_text(body: bytes) -> str:
 
 def _no_answer(exc: Exception, timeout: float) -> NoAnswer:
     if isinstance(exc, TimeoutError):
-        return NoAnswer(Failure.TIMEOUT, f"no complete answer within {timeout:g} s")
+        return NoAnswer(Outcome.TIMEOUT, f"no complete answer within {timeout:g} s")
     if isinstance(exc, BodyTooLarge):
-        return NoAnswer(Failure.TOO_LARGE, f"answer too large ({exc})")
+        return NoAnswer(Outcome.INVALID, f"answer too large ({exc})")
+    if isinstance(exc, BadEncoding):
+        return NoAnswer(Outcome.INVALID, str(exc))
     detail = str(exc) or str(exc.__cause__ or "") or type(exc).__name__
     if isinstance(exc, httpx.ConnectError):
-        return NoAnswer(Failure.REFUSED, f"cannot connect: {detail}")
+        return NoAnswer(Outcome.REFUSED, f"cannot connect: {detail}")
     if isinstance(exc, httpx.RemoteProtocolError | httpx.ReadError | httpx.WriteError):
-        return NoAnswer(Failure.BROKEN, f"connection broke mid-answer: {detail}")
+        return NoAnswer(Outcome.ERROR, f"connection broke mid-answer: {detail}")
     if isinstance(exc, httpx.TransportError):
-        return NoAnswer(Failure.BROKEN, f"{type(exc).__name__}: {detail}")
-    return NoAnswer(Failure.BROKEN, f"cannot send the request: {type(exc).__name__}: {detail}")
+        return NoAnswer(Outcome.ERROR, f"{type(exc).__name__}: {detail}")
+    return NoAnswer(Outcome.ERROR, f"cannot send the request: {type(exc).__name__}: {detail}")
 
 
-CANARY_OUTCOME = {
-    Failure.TIMEOUT: Outcome.TIMEOUT,
-    Failure.TOO_LARGE: Outcome.INVALID,
-    Failure.REFUSED: Outcome.REFUSED,
-    Failure.BROKEN: Outcome.ERROR,
-}
-REGISTRATION_PROBE = {
-    Failure.TIMEOUT: Probe.TIMEOUT,
-    Failure.TOO_LARGE: Probe.ERROR,
-    Failure.REFUSED: Probe.REFUSED,
-    Failure.BROKEN: Probe.ERROR,
-}
+def _decode(body: bytes, encoding: str, limit: int) -> bytes:
+    """Undo a Content-Encoding the engine applied although identity was asked for (prometheus
+    client's ASGI app gzips whenever it likes), reading at most ``limit`` bytes of the result."""
+    encoding = encoding.strip().lower()
+    if encoding in ("", "identity"):
+        return body
+    if encoding not in ("gzip", "x-gzip", "deflate"):
+        raise BadEncoding(f"Content-Encoding {encoding!r} is not supported")
+    wbits = zlib.MAX_WBITS | 16 if "gzip" in encoding else zlib.MAX_WBITS
+    try:
+        inflater = zlib.decompressobj(wbits)
+        plain = inflater.decompress(body, limit + 1)
+    except zlib.error as exc:
+        raise BadEncoding(f"{encoding} body does not decompress: {exc}") from None
+    if len(plain) > limit or inflater.unconsumed_tail:
+        raise BodyTooLarge(f"more than {limit} bytes once decompressed")
+    return plain
 
 
 class EngineClient:
@@ -110,7 +115,9 @@ class EngineClient:
         api_key: str | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        headers = {"User-Agent": USER_AGENT}
+        # Identity encoding: the sidecar reads bodies with a byte bound, and a compressed body
+        # would need decompressing anyway (see _decode for engines that compress regardless).
+        headers = {"User-Agent": USER_AGENT, "Accept-Encoding": "identity"}
         self._secret = api_key or None
         if api_key:
             headers["Authorization"] = f"Bearer {api_key}"
@@ -126,7 +133,7 @@ class EngineClient:
             # Only SIDECAR_ENGINE_URL is ever requested: for http:// no TLS happens, so skip
             # building the default SSL context (the CA bundle costs about 3 MiB).
             verify=not base_url.startswith("http://"),
-            limits=httpx.Limits(max_connections=4, max_keepalive_connections=2),
+            limits=httpx.Limits(max_connections=6, max_keepalive_connections=3),
         )
 
     async def aclose(self) -> None:
@@ -148,7 +155,14 @@ class EngineClient:
         """One request with a deadline over the whole answer, and a bounded read."""
         try:
             return await self._read(method, path, json_body, headers)
-        except (TimeoutError, BodyTooLarge, httpx.HTTPError, httpx.InvalidURL, ValueError) as exc:
+        except (
+            TimeoutError,
+            BodyTooLarge,
+            BadEncoding,
+            httpx.HTTPError,
+            httpx.InvalidURL,
+            ValueError,
+        ) as exc:
             # ValueError: a body or header httpx cannot encode. Never let one kill the monitor.
             return _no_answer(exc, self.timeout)
 
@@ -171,18 +185,21 @@ class EngineClient:
                     chunks.append(chunk)
             finally:
                 await response.aclose()
+        body = _decode(
+            b"".join(chunks), response.headers.get("content-encoding", ""), self.max_bytes
+        )
         return Answer(
             response.status_code,
             response.headers.get("content-type", ""),
-            b"".join(chunks),
+            body,
             response.headers.get("location"),
         )
 
-    async def canary(self, plan: CanaryPlan, request: CanaryRequest) -> CanaryResult:
+    async def canary(self, plan: CanaryPlan, request: CanaryRequest) -> Result:
         started = self.clock()
 
-        def result(outcome: Outcome, reason: str, status: int | None = None) -> CanaryResult:
-            return CanaryResult(
+        def result(outcome: Outcome, reason: str, status: int | None = None) -> Result:
+            return Result(
                 outcome,
                 self._redact(reason),
                 started,
@@ -199,7 +216,7 @@ class EngineClient:
             headers={"X-Request-Id": request.request_id},
         )
         if isinstance(answer, NoAnswer):
-            return result(CANARY_OUTCOME[answer.failure], answer.reason)
+            return result(answer.outcome, answer.reason)
         status = answer.status
         if 300 <= status < 400:
             where = f" to {answer.location}" if answer.location else ""
@@ -219,20 +236,22 @@ class EngineClient:
             return result(Outcome.INVALID, problem, status)
         return result(Outcome.SUCCESS, "complete, well-formed answer", status)
 
-    async def registration(self, path: str) -> RegistrationResult:
+    async def registration(self, path: str) -> Result:
         """Check the engine's own cheapest "up and model loaded" route."""
         started = self.clock()
 
-        def result(probe: Probe, reason: str) -> RegistrationResult:
-            return RegistrationResult(probe, self._redact(reason), started, self.clock())
+        def result(outcome: Outcome, reason: str, status: int | None = None) -> Result:
+            return Result(
+                outcome, self._redact(reason), started, self.clock(), time.time(), "", status
+            )
 
         answer = await self._exchange("GET", path)
         if isinstance(answer, NoAnswer):
-            return result(REGISTRATION_PROBE[answer.failure], f"GET {path}: {answer.reason}")
+            return result(answer.outcome, f"GET {path}: {answer.reason}")
         if answer.status == 200:
-            return result(Probe.OK, f"GET {path} -> 200")
+            return result(Outcome.SUCCESS, f"GET {path} -> 200", 200)
         text = _error_text(answer.body)
-        return result(Probe.STATUS, f"GET {path} -> {answer.status}: {text}")
+        return result(Outcome.ERROR, f"GET {path} -> {answer.status}: {text}", answer.status)
 
     async def metrics_text(self, path: str) -> tuple[str | None, str]:
         """(text, reason): the engine's Prometheus exposition, or None and why not."""

@@ -21,8 +21,9 @@ from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
 
 from sidecar import __version__
-from sidecar.rules import CanaryResult, Outcome, endpoint_verdict, engine_disagrees
-from sidecar.state import Health, Listener
+from sidecar.evidence.result import Outcome, Result
+from sidecar.health import Health, Listener, liveness_of, readiness_of
+from sidecar.verdict import engine_disagrees
 
 PREFIX = "health_sidecar"
 
@@ -48,6 +49,8 @@ class _VerdictCollector(Collector):
     def collect(self) -> Iterator[GaugeMetricFamily | InfoMetricFamily]:
         health = self.health
         settings = health.settings
+        snap = health.snapshot  # one snapshot for the whole scrape
+        now = health.clock()
         yield InfoMetricFamily(
             f"{PREFIX}_build",
             "Version and configuration of the sidecar.",
@@ -61,10 +64,12 @@ class _VerdictCollector(Collector):
         yield GaugeMetricFamily(
             f"{PREFIX}_ready",
             "1 if the worker is ready (/health 200).",
-            value=health.readiness().ready,
+            value=readiness_of(snap, now).ready,
         )
         yield GaugeMetricFamily(
-            f"{PREFIX}_live", "1 if the worker is live (/live 200).", value=health.liveness().live
+            f"{PREFIX}_live",
+            "1 if the worker is live (/live 200).",
+            value=liveness_of(snap, now).live,
         )
         ready = GaugeMetricFamily(
             f"{PREFIX}_endpoint_ready", "1 if the endpoint is ready.", labels=["endpoint"]
@@ -84,12 +89,12 @@ class _VerdictCollector(Collector):
             "Unix time of the last passed canary (absent before the first).",
             labels=["endpoint"],
         )
-        for name, state in health.endpoints.items():
-            ready.add_metric([name], bool(endpoint_verdict(state).ready))
-            registered.add_metric([name], state.registered)
-            failures.add_metric([name], state.consecutive_failures)
-            if state.last_success_wall is not None:
-                last_success.add_metric([name], state.last_success_wall)
+        for name, ep in snap.endpoints.items():
+            ready.add_metric([name], bool(snap.verdicts[name].ready))
+            registered.add_metric([name], bool(ep.registration.registered))
+            failures.add_metric([name], ep.canary.failures)
+            if ep.canary.last_success_wall is not None:
+                last_success.add_metric([name], ep.canary.last_success_wall)
         in_flight = GaugeMetricFamily(
             f"{PREFIX}_engine_in_flight_requests",
             "Requests running or waiting in the engine, from its own metrics.",
@@ -97,7 +102,12 @@ class _VerdictCollector(Collector):
         )
         stalled = GaugeMetricFamily(
             f"{PREFIX}_engine_stalled",
-            "1 while work is in flight and no engine progress counter advances.",
+            "1 while a stall is confirmed: work in flight, no progress, and a canary timed out.",
+            labels=["endpoint"],
+        )
+        readable = GaugeMetricFamily(
+            f"{PREFIX}_engine_progress_readable",
+            "1 while the engine's metrics show its progress (in-flight work and counters).",
             labels=["endpoint"],
         )
         disagrees = GaugeMetricFamily(
@@ -110,17 +120,18 @@ class _VerdictCollector(Collector):
             "Unix time the engine's progress counters last advanced.",
             labels=["endpoint"],
         )
-        for name, state in health.endpoints.items():
-            if state.in_flight is not None:
-                in_flight.add_metric([name], state.in_flight)
-            stalled.add_metric([name], state.stalled)
-            disagrees.add_metric([name], engine_disagrees(state))
-            if state.last_progress_wall is not None:
-                last_progress.add_metric([name], state.last_progress_wall)
+        for name, ep in snap.endpoints.items():
+            if ep.progress.in_flight is not None:
+                in_flight.add_metric([name], ep.progress.in_flight)
+            stalled.add_metric([name], ep.canary.stalled)
+            readable.add_metric([name], ep.progress.readable)
+            disagrees.add_metric([name], engine_disagrees(ep))
+            if ep.progress.last_advance_wall is not None:
+                last_progress.add_metric([name], ep.progress.last_advance_wall)
         yield from (ready, registered, failures, last_success)
-        yield from (in_flight, stalled, disagrees, last_progress)
+        yield from (in_flight, stalled, readable, disagrees, last_progress)
         yield GaugeMetricFamily(
-            f"{PREFIX}_draining", "1 after SIGTERM, while draining.", value=health.draining
+            f"{PREFIX}_draining", "1 after SIGTERM, while draining.", value=snap.draining
         )
         yield GaugeMetricFamily(
             f"{PREFIX}_asyncio_tasks",
@@ -157,7 +168,7 @@ class Metrics:
             ["endpoint"],
             registry=self.registry,
         )
-        for name in health.endpoints:
+        for name in health.snapshot.endpoints:
             self.disagreements.labels(name)
             for outcome in Outcome:
                 self.canaries.labels(name, outcome.value)
@@ -169,7 +180,7 @@ class Metrics:
             Listener(self._on_canary, self._on_transition, self.disagreements_inc)
         )
 
-    def _on_canary(self, endpoint: str, result: CanaryResult) -> None:
+    def _on_canary(self, endpoint: str, result: Result) -> None:
         self.canaries.labels(endpoint, result.outcome.value).inc()
         self.latency.labels(endpoint).observe(result.latency)
 

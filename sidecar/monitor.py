@@ -1,9 +1,13 @@
-"""The scheduler: per endpoint, a registration loop and a canary loop, owned by one TaskGroup.
+"""The scheduler: per endpoint a registration loop, a canary loop and a progress loop, plus the
+heartbeat, all owned by one TaskGroup on the monitor's event loop.
 
-The registration loop checks the engine's own health route every SIDECAR_REGISTRATION_INTERVAL
-(and learns the served model when the canary needs it). The canary loop sends one canary when
-the state says one is due (``EndpointState.next_canary_due``), waits for its whole answer, records
-it, and only then looks at the next: never more than one canary in flight per endpoint.
+- Registration: GET the engine's own health route every SIDECAR_REGISTRATION_INTERVAL (and learn
+  the served model when the canary needs it).
+- Progress: GET the engine's metrics every SIDECAR_METRICS_INTERVAL.
+- Canary: send one when :func:`sidecar.endpoint.canary_due` says so, wait for its whole answer,
+  record it, and only then look at the next: never more than one in flight per endpoint. With
+  progress on, the metrics are also read as it leaves and again if it times out: a timeout is
+  weighed against the progress between those two reads, less what the canary itself moved.
 """
 
 from __future__ import annotations
@@ -11,13 +15,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 import uuid
 
 from sidecar.canary import CanaryPlan
+from sidecar.endpoint import canary_due, suspected
 from sidecar.engine import EngineClient
-from sidecar.progress import MetricsUnreadable, ProgressSpec, read_progress
-from sidecar.rules import Probe, RegistrationResult, canary_due
-from sidecar.state import Health
+from sidecar.evidence.progress import MetricsUnreadable, ProgressSample, ProgressSpec, read_progress
+from sidecar.evidence.result import Outcome, Result
+from sidecar.health import HEARTBEAT_INTERVAL, Health
 
 log = logging.getLogger("sidecar.monitor")
 
@@ -45,20 +51,32 @@ class Monitor:
         self.registration_interval = registration_interval
         self.progress = progress
         self.metrics_interval = metrics_interval
+        self._changed = asyncio.Event()
 
     async def run(self) -> None:
         """Run until cancelled. An unexpected error in any loop propagates (and stops the rest)."""
         async with asyncio.TaskGroup() as group:
+            group.create_task(self._heartbeat(), name="heartbeat")
             for name, plan in self.health.plans.items():
                 group.create_task(self._registration_loop(name, plan), name=f"registration:{name}")
                 if plan.enabled:
                     group.create_task(self._canary_loop(name, plan), name=f"canary:{name}")
-                if self.progress is not None:
-                    group.create_task(
-                        self._progress_loop(name, self.progress), name=f"progress:{name}"
-                    )
+                    if self.progress is not None:
+                        group.create_task(
+                            self._progress_loop(name, self.progress), name=f"progress:{name}"
+                        )
 
-    def _needs_discovery(self, name: str, plan: CanaryPlan) -> bool:
+    def _changed_now(self) -> None:
+        """Wake the canary loops: the state changed."""
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def _heartbeat(self) -> None:
+        while True:
+            self.health.tick()
+            await asyncio.sleep(HEARTBEAT_INTERVAL)
+
+    def _needs_discovery(self, plan: CanaryPlan) -> bool:
         return (
             plan.enabled
             and plan.override is None
@@ -71,24 +89,48 @@ class Monitor:
         while True:
             started = loop.time()
             result = await self.client.registration(self.registration_path)
-            if result.registered and self._needs_discovery(name, plan):
-                was_registered = self.health.endpoints[name].registered
-                if not was_registered or self.health.models[name] is None:
+            if result.ok and self._needs_discovery(plan):
+                snap = self.health.snapshot
+                if not snap.endpoints[name].registration.registered or snap.models[name] is None:
                     model, why = await self.client.served_model()
                     if model is None:
-                        result = RegistrationResult(
-                            Probe.STATUS, f"model not known: {why}", result.started, result.finished
+                        result = Result(
+                            Outcome.ERROR,
+                            f"model not known: {why}",
+                            result.started,
+                            result.finished,
+                            result.wall_time,
                         )
                     self.health.set_model(name, model)
             self.health.record_registration(name, result)
-            self.health.evaluate()
+            self._changed_now()
             await asyncio.sleep(max(0.0, started + self.registration_interval - loop.time()))
 
-    async def _canary_loop(self, name: str, plan: CanaryPlan) -> None:
+    async def _read(self, spec: ProgressSpec) -> tuple[ProgressSample | None, str]:
+        text, why = await self.client.metrics_text(spec.path)
+        if text is None:
+            return None, why
+        try:
+            return read_progress(text, spec, self.health.clock(), time.time()), why
+        except MetricsUnreadable as exc:
+            return None, f"GET {spec.path}: {exc}"
+
+    async def _progress_loop(self, name: str, spec: ProgressSpec) -> None:
+        loop = asyncio.get_running_loop()
         while True:
-            changed = self.health.changed()
-            state = self.health.endpoints[name]
-            due = canary_due(state)
+            started = loop.time()
+            sample, why = await self._read(spec)
+            self.health.record_sample(name, sample, why, spec)
+            self._changed_now()
+            await asyncio.sleep(max(0.0, started + self.metrics_interval - loop.time()))
+
+    async def _canary_loop(self, name: str, plan: CanaryPlan) -> None:
+        policy = self.health.policy
+        spec = self.progress
+        while True:
+            changed = self._changed
+            ep = self.health.snapshot.endpoints[name]
+            due = canary_due(ep, policy)
             if due is None:
                 await wait_event(changed, None)
                 continue
@@ -96,34 +138,38 @@ class Monitor:
             if delay > 0:
                 await wait_event(changed, delay)
                 continue
-            request = plan.request(self.health.models[name], f"canary-{uuid.uuid4()}")
-            log.debug("%s: sending canary %s", name, request.request_id)
-            result = await self.client.canary(plan, request)
-            self.health.record_canary(name, result, state.incarnation)
-
-    async def _progress_loop(self, name: str, spec: ProgressSpec) -> None:
-        loop = asyncio.get_running_loop()
-        unreadable: str | None = None
-        while True:
-            started = loop.time()
-            text, why = await self.client.metrics_text(spec.path)
-            sample = None
-            if text is not None:
+            confirming = suspected(ep, policy, self.health.clock())
+            request = plan.request(self.health.snapshot.models[name], f"canary-{uuid.uuid4()}")
+            log.debug(
+                "%s: sending canary %s%s",
+                name,
+                request.request_id,
+                " to confirm a stall suspicion" if confirming else "",
+            )
+            if spec is None:
+                result = await self.client.canary(plan, request)
+                baseline = end = None
+            else:
+                # The baseline read runs beside the canary, so it never delays it.
+                reading = asyncio.create_task(self._read(spec), name=f"baseline:{name}")
                 try:
-                    sample = read_progress(text, spec, self.health.clock())
-                except MetricsUnreadable as exc:
-                    why = f"GET {spec.path}: {exc}"
-                else:
-                    if sample.in_flight is None and sample.counters is None:
-                        why = f"GET {spec.path}: none of the backend's progress metrics"
-                        sample = None
-            if (sample is None) != (unreadable is not None):
-                if sample is None:
-                    log.info(
-                        "%s: engine progress unknown (%s); the canary alone decides", name, why
-                    )
-                else:
-                    log.info("%s: reading engine progress from %s", name, spec.path)
-                unreadable = why if sample is None else None
-            self.health.record_progress(name, sample)
-            await asyncio.sleep(max(0.0, started + self.metrics_interval - loop.time()))
+                    result = await self.client.canary(plan, request)
+                except BaseException:
+                    reading.cancel()
+                    raise
+                baseline, _ = await reading
+                # Only evidence about this canary: they count it in flight, so they do not go
+                # into the progress source (whose reads of the engine's own work they would skew).
+                end = None
+                if result.outcome is Outcome.TIMEOUT:
+                    end, _ = await self._read(spec)
+            self.health.record_canary(
+                name,
+                result,
+                ep.incarnation,
+                baseline=baseline,
+                end=end,
+                cost=plan.cost(request),
+                suspected=confirming,
+            )
+            self._changed_now()

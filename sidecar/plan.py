@@ -8,7 +8,8 @@ from typing import Any
 
 from sidecar.canary import CanaryPlan, plan_canary
 from sidecar.config import Settings
-from sidecar.rules import RULE_TEXT, Rule
+from sidecar.health import policy_from
+from sidecar.verdict import RULE_TEXT, Rule
 
 MODEL_PLACEHOLDER = "<served model, from GET /v1/models>"
 
@@ -31,18 +32,42 @@ def _passes_when(plan: CanaryPlan, settings: Settings) -> str:
     )
 
 
-def _progress_line(plan: CanaryPlan, s: Settings) -> str:
-    if not (s.health_check_enabled and s.progress_enabled):
-        why = "canaries are off" if not s.health_check_enabled else "SIDECAR_PROGRESS_ENABLED=false"
-        return f"progress       engine metrics not read ({why})"
+def _progress_lines(plan: CanaryPlan, s: Settings) -> list[str]:
+    if not (plan.enabled and s.progress_enabled):
+        why = (
+            "SIDECAR_PROGRESS_ENABLED=false"
+            if plan.enabled
+            else "no canary: the metrics would have nothing to confirm"
+        )
+        return [f"progress       engine metrics not read ({why})"]
     spec = plan.prober.progress
     path = s.metrics_path or spec.path
-    return (
-        f"progress       GET {path} every {s.metrics_interval:g} s: advancing counters prove "
-        "health and hold canaries back while work is in flight; work in flight with no progress "
-        f"for {s.effective_stall_window:g} s is a hang (stalled); in flight = "
-        f"{' + '.join(spec.running + spec.waiting)}"
+    policy = policy_from(s)
+    counters = ", ".join(
+        f"{category} {' | '.join(map(str, names))}" for category, names in spec.counters.items()
     )
+    return [
+        f"progress       GET {path} every {s.metrics_interval:g} s, and around each canary; a "
+        "hint, never a verdict",
+        f"  in flight    {' + '.join(map(str, spec.running + spec.waiting))}",
+        f"  counters     {counters}",
+        "  needs        at least one counter; in-flight gauges alone are not readable metrics, "
+        "and then the canary alone decides",
+        "  holds        routine canaries while the endpoint is ready and work is in flight",
+        "  excuses      a canary timeout when counters moved beyond the canary's own tokens "
+        "(not counted)",
+        f"  suspects     a stall after {policy.suspect_after:g} s of work in flight with quiet "
+        "counters, and sends a canary to confirm it: a timeout with no progress since it left "
+        'is notready "stalled"; a pass clears it',
+        f"  bound        a hang under load is notready within {policy.stall_bound:g} s of the "
+        f"counters stopping (SIDECAR_STALL_WINDOW {s.effective_stall_window:g} s"
+        + (
+            ""
+            if policy.stall_bound <= s.effective_stall_window
+            else f"; raise it to at least {policy.stall_bound:g} s to meet it"
+        )
+        + ")",
+    ]
 
 
 def render(settings: Settings) -> str:
@@ -94,13 +119,14 @@ def render(settings: Settings) -> str:
         + (f" ({', '.join(listed)})" if listed else f" ({plan.endpoint})"),
         f"               before an endpoint's first verdict: {s.starting_health_status} "
         "(DYN_SYSTEM_STARTING_HEALTH_STATUS)",
-        f"liveness       fails after {s.liveness_window:g} s of uninterrupted hard failure (the "
-        "engine accepts connections but does not answer in time, or answers 5xx); never while "
-        "it starts, loads, is gone, or rejects a canary that never passed (4xx)",
-        _progress_line(plan, s),
+        f"liveness       fails after {s.liveness_window:g} s on one clock: registration timing "
+        "out, canary failing hard (timeouts, 5xx), or a confirmed stall; never while the engine "
+        "answers its health route with non-200, refuses connections, or rejects a canary that "
+        "never passed (4xx)",
+        *_progress_lines(plan, s),
         f"shutdown       on SIGTERM: readiness draining (503), /live 200, until the engine is "
         f"gone or {s.drain_timeout:g} s have passed; then exit 0",
         f"serving        http://{s.system_host}:{s.system_port}  {s.health_path} (readiness)  "
-        f"{s.live_path} (liveness)  /metrics",
+        f"{s.live_path} (liveness)  /metrics  /sidecar/live (the sidecar's own probe)",
     ]
     return "\n".join(lines)

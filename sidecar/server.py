@@ -26,9 +26,9 @@ from sidecar.app import create_app
 from sidecar.canary import CanaryPlan, plan_canary
 from sidecar.config import Settings
 from sidecar.engine import EngineClient
+from sidecar.health import Health
 from sidecar.metrics import Metrics
 from sidecar.monitor import Monitor
-from sidecar.state import Health
 
 log = logging.getLogger("sidecar")
 
@@ -64,8 +64,8 @@ def _new_loop() -> asyncio.AbstractEventLoop:
 
 class MonitorThread:
     """The monitor, with the engine client, on an event loop of its own in its own thread: however
-    many probes the HTTP server answers, canaries leave on time. It writes the state (``Health``
-    replaces immutable values), the HTTP routes only read it."""
+    many probes the HTTP server answers, canaries leave on time. It is the only writer of the
+    state (``Health`` publishes immutable snapshots); the HTTP routes only read them."""
 
     def __init__(self, settings: Settings, parts: Parts) -> None:
         self.settings = settings
@@ -151,9 +151,10 @@ async def serve(settings: Settings) -> int:
 
     async def drain() -> None:
         """Readiness 503 at once; keep serving until the engine is gone or the grace ends."""
-        parts.health.start_draining()
+        # The monitor's thread is the only writer: hand it the request.
+        monitor.loop.call_soon_threadsafe(parts.health.start_draining)
         deadline = loop.time() + settings.drain_timeout
-        while not parts.health.engine_gone():  # the monitor's thread keeps it current
+        while not parts.health.snapshot.engine_gone:  # the monitor's thread keeps it current
             if loop.time() >= deadline:
                 log.info(
                     "drain: %g s passed with the engine still up; exiting", settings.drain_timeout

@@ -1,7 +1,8 @@
 """Busy is not hung: the sidecar reads the engine's own metrics (the fake engine's here).
 
 Timings: wait 1 s, canary timeout 0.5 s, stall window 2.5 s (the default: timeout + 2 s),
-metrics read every 0.5 s.
+metrics read every 0.5 s (so a stall is suspected 1.5 s after the last read that showed the
+counters move, and confirmed by one canary: notready within 2.5 s of the counters stopping).
 """
 
 from __future__ import annotations
@@ -72,8 +73,11 @@ def test_busy_and_advancing_stays_ready_with_no_canary(engine, sidecar):
         assert watch(side, 5.0) == {200}
         assert canaries_since(fake, start + 0.5) == 0  # a busy engine gets no extra load
         _, body = side.health()
-        assert body["checks"]["generate"]["in_flight"] >= 1
-        assert "progressing" in body["reason"]
+        check = body["checks"]["generate"]
+        assert check["in_flight"] >= 1
+        assert check["progress"]["readable"] is True
+        assert check["progress"]["stall_suspected"] is False
+        assert body["reason"].startswith("generate: canary passed")
 
 
 def test_long_prefill_with_moving_counters_never_reads_as_hung(engine, sidecar):
@@ -101,13 +105,23 @@ def test_busy_and_stalled_is_notready_as_stalled_within_the_window(engine, sidec
         hung_at = time.time()
         elapsed = side.wait_status(503, STALL + 2)
         print(f"STALL detect {elapsed:.2f} s (window {STALL} s)")
+        assert elapsed <= STALL + 0.5
         _, body = side.health()
         check = body["checks"]["generate"]
         assert check["stalled"] is True
-        assert body["reason"].startswith("generate: stalled: 1 requests in flight")
+        # The stuck request and the canary sent to confirm the suspicion.
+        assert body["reason"].startswith("generate: stalled: 2 requests in flight")
+        assert "the canary sent to confirm timed out" in body["reason"]
         assert "the engine's own health route still answers 200" in body["reason"]
         assert check["engine_health_agrees"] is False
-        assert canaries_since(fake, hung_at) == 0  # nothing queued behind the stuck work
+        # One canary confirmed the suspicion; it left only after the counters went quiet.
+        sent = [
+            r["time"]
+            for r in fake.requests()
+            if r["headers"].get("x-request-id", "").startswith("canary-") and r["time"] >= hung_at
+        ]
+        assert sent
+        assert sent[0] - hung_at >= 1.0
         text = side.metrics()
         assert metric(text, "health_sidecar_engine_stalled", endpoint="generate") == 1
         assert (
@@ -115,7 +129,9 @@ def test_busy_and_stalled_is_notready_as_stalled_within_the_window(engine, sidec
             == 1
         )
         assert side.get("/live").status_code == 200  # hung briefly: not yet a restart
-        fake.fault(hang_generation=False)
+        # Released, and fast again (the fake spreads its latency over a request's tokens, so a
+        # 1-token canary would otherwise take the whole 20 s).
+        fake.fault(hang_generation=False, latency=0)
         side.wait_status(200, 2)
 
 
@@ -139,4 +155,5 @@ def test_unchunked_long_prefill_reads_as_stalled(engine, sidecar):
     with background_request(fake, 1):
         side.wait_status(503, STALL + 2)
         assert "stalled" in side.health()[1]["reason"]
+        fake.fault(prefill_seconds=0)  # the confirming canaries needed the same prefill
     side.wait_status(200, 3)

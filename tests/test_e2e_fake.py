@@ -196,7 +196,8 @@ def test_sustained_hang_fails_liveness_and_recovery_restores_it(engine, sidecar)
     side.wait_status(503, WAIT + TIMEOUT + 2 + 3, path="/live")
     live = side.get("/live").json()
     assert live["status"] == "notlive"
-    assert "hard failure" in live["reason"]
+    assert "canary failing hard" in live["reason"]
+    assert live["cause"] == "canary failing hard"
     assert metric(side.metrics(), "health_sidecar_live") == 0
     fake.fault(hang_generation=False)
     side.wait_status(200, 3, path="/live")

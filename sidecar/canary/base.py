@@ -6,7 +6,14 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from sidecar.config import Backend, Mode, ModelType
-from sidecar.progress import ProgressSpec
+from sidecar.evidence.progress import (
+    COMPLETED,
+    GENERATION,
+    PROMPT,
+    STEPS,
+    CanaryCost,
+    ProgressSpec,
+)
 
 # Eight ordinary token ids: valid in every real vocabulary, and shorter than one KV block
 # (16 tokens in vLLM and SGLang by default), so a prefill never pins a full block.
@@ -81,6 +88,21 @@ class Prober:
         """What is wrong with a 200 answer's parsed JSON body, or None when it is well formed."""
         return completion_problem(answer, expected_tokens)
 
+    # Prompt tokens one canary may add to the engine's counters (its prompt, plus a BOS token).
+    prompt_budget: ClassVar[int] = len(PROMPT_TOKEN_IDS) + 1
+
+    def cost(self, expected_tokens: int) -> CanaryCost:
+        """What one canary may move in the engine's counters by itself: progress within these
+        budgets is no evidence that other work progressed."""
+        return CanaryCost(
+            {
+                PROMPT: self.prompt_budget,
+                GENERATION: expected_tokens,
+                STEPS: expected_tokens + 1,
+                COMPLETED: 1,
+            }
+        )
+
 
 @dataclass(frozen=True)
 class CanaryPlan:
@@ -104,6 +126,13 @@ class CanaryPlan:
         if self.override is not None:
             return generic_problem(answer)
         return self.prober.problem(answer, expected_tokens)
+
+    def cost(self, request: CanaryRequest) -> CanaryCost:
+        """A user's payload may move any token counter: only completed requests beyond its own
+        then count as other work."""
+        if request.expected_tokens is None:
+            return CanaryCost({COMPLETED: 1})
+        return self.prober.cost(request.expected_tokens)
 
 
 def _error_text(answer: dict[str, Any]) -> str | None:

@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 
 from sidecar.canary.base import Prober, Role, completion_problem
 from sidecar.config import Backend
-from sidecar.progress import ProgressSpec
+from sidecar.evidence.progress import GENERATION, PROMPT, STEPS, ProgressSpec, series
 
 
 class OpenAIProber(Prober):
@@ -22,14 +22,16 @@ class OpenAIProber(Prober):
     # and then the canary alone decides.
     progress: ClassVar[ProgressSpec] = ProgressSpec(
         path="/metrics",
-        running=("llamacpp:requests_processing",),
-        waiting=("llamacpp:requests_deferred",),
-        counters=(
-            "llamacpp:tokens_predicted_total",
-            "llamacpp:prompt_tokens_total",
-            "llamacpp:n_decode_total",
-        ),
+        running=series("llamacpp:requests_processing"),
+        waiting=series("llamacpp:requests_deferred"),
+        counters={
+            PROMPT: series("llamacpp:prompt_tokens_total"),
+            GENERATION: series("llamacpp:tokens_predicted_total"),
+            STEPS: series("llamacpp:n_decode_total"),
+        },
     )
+    # "Say OK." is a few tokens in any tokenizer, with BOS and a chat template at most 16.
+    prompt_budget: ClassVar[int] = 16
 
     def why(self, role: Role) -> str:
         return "plain 1-token greedy completion (generic OpenAI-compatible server)"

@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 
 from sidecar.canary.base import PROMPT_TOKEN_IDS, Prober, Role
 from sidecar.config import Backend, Mode
-from sidecar.progress import ProgressSpec
+from sidecar.evidence.progress import GENERATION, PROMPT, ProgressSpec, series
 
 FAKE_BOOTSTRAP_HOST = "2.2.2.2"
 
@@ -32,10 +32,13 @@ class SglangProber(Prober):
     registration_path: ClassVar[str] = "/v1/models"
     needs_model: ClassVar[bool] = False
     progress: ClassVar[ProgressSpec] = ProgressSpec(
-        path="/metrics",  # needs --enable-metrics
-        running=("sglang:num_running_reqs",),
-        waiting=("sglang:num_queue_reqs",),
-        counters=("sglang:generation_tokens_total", "sglang:prompt_tokens_total"),
+        path="/metrics",  # needs --enable-metrics; served gzip-compressed when the client allows
+        running=series("sglang:num_running_reqs"),
+        waiting=series("sglang:num_queue_reqs"),
+        counters={
+            PROMPT: series("sglang:prompt_tokens_total"),
+            GENERATION: series("sglang:generation_tokens_total"),
+        },
     )
 
     def __init__(self, bootstrap_port: int = 8998) -> None:

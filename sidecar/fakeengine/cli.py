@@ -47,6 +47,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--latency", type=_non_negative, default=0.0, help="seconds each generation takes"
     )
+    parser.add_argument(
+        "--prompt-on-arrival",
+        action="store_true",
+        help="count a request's prompt tokens when it arrives, not once its prefill is done",
+    )
+    parser.add_argument(
+        "--metrics-gzip",
+        choices=("auto", "never", "always"),
+        default="auto",
+        help="auto: gzip the metrics for clients that accept it where the real server does "
+        "(sglang, trtllm); always: whatever the client asks",
+    )
     parser.add_argument("--port-file", type=Path, help="write the bound port here (atomically)")
     parser.add_argument("--log-level", choices=LOG_LEVELS, default="warning")
     return parser
@@ -69,6 +81,8 @@ async def _run(args: argparse.Namespace) -> int:
         host=args.host,
         latency=args.latency,
         load_seconds=args.load_seconds,
+        prompt_on_arrival=args.prompt_on_arrival,
+        metrics_gzip=args.metrics_gzip,
     )
     state = EngineState(config, loading_seconds=0.0 if binds_after_loading else args.load_seconds)
     server = _EngineServer(

@@ -55,10 +55,18 @@ class Faults(BaseModel):
     # the counters stand still until the prefill ends (one huge step).
     prefill_seconds: float = Field(default=0.0, ge=0.0)
     prefill_progress: bool = True
+    # The engine's own health route answers this many seconds late (a busy API server).
+    health_latency: float = Field(default=0.0, ge=0.0)
+    # Publish the in-flight gauges but none of the progress counters (some TensorRT-LLM
+    # releases name theirs differently).
+    hide_counters: bool = False
 
 
 class EngineStopping(Exception):
     """The server is shutting down; parked and hung requests are failed instead of cancelled."""
+
+
+MetricsGzip = Literal["auto", "never", "always"]
 
 
 @dataclass(frozen=True)
@@ -69,6 +77,12 @@ class EngineConfig:
     host: str
     latency: float
     load_seconds: float
+    # Count a request's prompt tokens when it arrives (before any compute), as some engines do,
+    # instead of once its prefill is done.
+    prompt_on_arrival: bool = False
+    # gzip the metrics: "auto" when the client accepts it and the backend's server does so
+    # (prometheus_client's ASGI app: SGLang, TensorRT-LLM); "always" whatever the client asks.
+    metrics_gzip: MetricsGzip = "auto"
 
 
 @dataclass
@@ -106,6 +120,7 @@ class EngineState:
         self.requests: deque[dict[str, Any]] = deque(maxlen=MAX_RECORDED_REQUESTS)
         self.running = 0
         self.waiting = 0
+        self.deferred = 0  # waiting for their KV from a prefill peer (a subset of waiting)
         self.prompt_tokens = 0
         self.generated_tokens = 0
         self.finished_requests = 0
@@ -172,9 +187,12 @@ class EngineState:
         """Yield ``job.max_tokens`` tokens, honouring latency and hangs, updating counters."""
         self.running += 1
         try:
+            if self.config.prompt_on_arrival:
+                self.prompt_tokens += job.prompt_tokens
             await self._wait_released()
             await self._prefill()
-            self.prompt_tokens += job.prompt_tokens
+            if not self.config.prompt_on_arrival:
+                self.prompt_tokens += job.prompt_tokens
             if job.max_tokens == 0:
                 await asyncio.sleep(self.faults.latency)
             for position in range(job.max_tokens):

@@ -7,6 +7,7 @@ routes) and its role rules (``admit``), i.e. everything that differs between rea
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import time
 import uuid
@@ -38,7 +39,7 @@ class _FamilyCollector(Collector):
         self._backend = backend
 
     def collect(self) -> Iterable[Metric]:
-        return self._backend.metric_families()
+        return self._backend.progress_families(self._backend.metric_families())
 
 
 def gauge(name: str, doc: str, value: float, labels: dict[str, str]) -> GaugeMetricFamily:
@@ -136,6 +137,8 @@ class Backend:
         """Hook for backends whose non-health routes refuse to answer while loading."""
 
     async def health(self) -> Response:
+        if self.state.faults.health_latency:
+            await asyncio.sleep(self.state.faults.health_latency)
         forced = self.state.faults.health_status
         if forced is not None:
             if forced < 300:
@@ -151,9 +154,28 @@ class Backend:
         self.guard_loading()
         return json_response({"object": "list", "data": [self.model_card()]})
 
-    async def metrics(self) -> Response:
+    #: Whether the real server gzips its metrics for a client that accepts it (SGLang and
+    #: TensorRT-LLM serve them through prometheus_client's ASGI app, which does).
+    gzips_metrics: ClassVar[bool] = False
+
+    async def metrics(self, request: Request) -> Response:
         self.guard_loading()
-        return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
+        body = generate_latest(self.registry)
+        mode = self.config.metrics_gzip
+        accepts = "gzip" in request.headers.get("accept-encoding", "")
+        if mode == "always" or (mode == "auto" and self.gzips_metrics and accepts):
+            return Response(
+                gzip.compress(body),
+                media_type=CONTENT_TYPE_LATEST,
+                headers={"Content-Encoding": "gzip"},
+            )
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+    def progress_families(self, families: list[Metric]) -> list[Metric]:
+        """The backend's families, less its counters when the hide_counters fault is on."""
+        if not self.state.faults.hide_counters:
+            return families
+        return [f for f in families if f.type != "counter"]
 
     # -------------------------------------------------------------------- generation pipeline
 
@@ -200,15 +222,18 @@ class Backend:
     def finish(self, body: dict[str, Any]) -> Response:
         return generation_response(body, self.state.faults.garbage)
 
-    async def park(self, request: Request) -> None:
-        """Queue a request for something that never comes; it ends when its client leaves."""
+    async def park(self, request: Request, *, on_peer: bool = False) -> None:
+        """Queue a request for something that never comes; it ends when its client leaves.
+        ``on_peer``: it waits for KV from a prefill peer."""
         self.state.waiting += 1
+        self.state.deferred += on_peer
         disconnect = asyncio.ensure_future(_until_disconnect(request))
         stopping = asyncio.ensure_future(self.state.stopping.wait())
         try:
             await asyncio.wait({disconnect, stopping}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             self.state.waiting -= 1
+            self.state.deferred -= on_peer
             disconnect.cancel()
             stopping.cancel()
         if self.state.stopping.is_set():

@@ -36,6 +36,8 @@ class SglangBackend(Backend):
     def model_card(self) -> dict[str, Any]:
         return {**super().model_card(), "root": self.config.model}
 
+    gzips_metrics = True
+
     def metric_families(self) -> list[Metric]:
         labels = {"model_name": self.config.model}
         s = self.state

@@ -35,6 +35,8 @@ class TrtllmBackend(Backend):
     def unhealthy_response(self, status: int, message: str) -> Response:
         return PlainTextResponse(UNAVAILABLE, status_code=status)
 
+    gzips_metrics = True
+
     def metric_families(self) -> list[Metric]:
         labels = {"model_name": self.config.model}
         s = self.state

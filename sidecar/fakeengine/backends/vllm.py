@@ -8,7 +8,7 @@ from typing import Any, ClassVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
-from prometheus_client.core import Metric
+from prometheus_client.core import GaugeMetricFamily, Metric
 
 from sidecar.fakeengine.backends.base import Backend, counter, gauge, new_id
 from sidecar.fakeengine.responses import ApiError, json_response, status_type
@@ -54,6 +54,8 @@ class VllmBackend(Backend):
         return [
             gauge("vllm:num_requests_running", "Requests in execution batches.", s.running, labels),
             gauge("vllm:num_requests_waiting", "Requests waiting to run.", s.waiting, labels),
+            self._waiting_by_reason(labels),
+            self._kv_fetch_by_stage(labels),
             counter("vllm:prompt_tokens", "Prefill tokens processed.", s.prompt_tokens, labels),
             counter("vllm:generation_tokens", "Tokens generated.", s.generated_tokens, labels),
             counter(
@@ -69,6 +71,32 @@ class VllmBackend(Backend):
                 {**labels, "finished_reason": "length"},
             ),
         ]
+
+    def _waiting_by_reason(self, labels: dict[str, str]) -> Metric:
+        """Waiting requests by why they wait: "deferred" for a KV transfer, else "capacity"."""
+        family = GaugeMetricFamily(
+            "vllm:num_requests_waiting_by_reason",
+            "Waiting requests by reason.",
+            labels=[*labels, "reason"],
+        )
+        deferred = self.state.deferred
+        family.add_metric([*labels.values(), "capacity"], self.state.waiting - deferred)
+        family.add_metric([*labels.values(), "deferred"], deferred)
+        return family
+
+    def _kv_fetch_by_stage(self, labels: dict[str, str]) -> Metric:
+        family = GaugeMetricFamily(
+            "vllm:num_requests_kv_fetch_by_stage",
+            "Requests fetching KV from a remote instance, by stage.",
+            labels=[*labels, "stage"],
+        )
+        for stage, value in (
+            ("waiting_to_start", 0),
+            ("in_progress", self.state.deferred),
+            ("completed_waiting", 0),
+        ):
+            family.add_metric([*labels.values(), stage], value)
+        return family
 
     def register_native(self, app: FastAPI) -> None:
         app.add_api_route("/health", self.health, methods=["GET"])
@@ -101,7 +129,7 @@ class VllmBackend(Backend):
         if any(not params.get(name) for name in _PEER_FIELDS):
             # No NIXL read is ever queued, yet the request waits for its remote KVs.
             logger.warning("Got invalid KVTransferParams: %s; request parks forever", params)
-            await self.park(request)
+            await self.park(request, on_peer=True)
         # A complete handoff: the fake NIXL read succeeds at once.
 
     def decorate(self, job: Job, tokens: list[int], body: dict[str, Any]) -> None:

@@ -1,0 +1,133 @@
+"""One endpoint: its three evidence sources, and how each observation reaches its source.
+
+Each ``apply_*`` function hands one observation to the source it belongs to, with the hints the
+source may take from the others (read-only). Only one thing crosses sources: a new incarnation
+of the engine (it restarted, or came back from a freeze) gets fresh canary and progress sources,
+since its counters start again and it proves itself anew.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from sidecar.evidence.canary import CanaryState, TimeoutEvidence, on_canary
+from sidecar.evidence.policy import Policy
+from sidecar.evidence.progress import (
+    CanaryCost,
+    ProgressSample,
+    ProgressSpec,
+    ProgressState,
+    foreign_progress,
+    on_sample,
+)
+from sidecar.evidence.registration import RegistrationState, on_registration
+from sidecar.evidence.result import Outcome, Result
+
+
+@dataclass(frozen=True)
+class EndpointState:
+    name: str
+    has_canary: bool
+    canary_why: str
+    registration: RegistrationState = field(default_factory=RegistrationState)
+    canary: CanaryState = field(default_factory=CanaryState)
+    progress: ProgressState = field(default_factory=ProgressState)
+
+    @property
+    def incarnation(self) -> int:
+        return self.registration.incarnation
+
+
+def apply_registration(ep: EndpointState, result: Result, policy: Policy) -> EndpointState:
+    last = ep.canary.last
+    registration = on_registration(
+        ep.registration,
+        result,
+        progressing=ep.progress.progressing_since(result.started - policy.metrics_interval),
+        canary_just_passed=last is not None and last.outcome is Outcome.SUCCESS,
+    )
+    new_incarnation = registration.incarnation != ep.incarnation
+    dropped = bool(ep.registration.registered) and not registration.registered
+    if new_incarnation or dropped:
+        due = result.finished if registration.registered and ep.has_canary else None
+        return replace(
+            ep,
+            registration=registration,
+            canary=CanaryState(next_due=due),
+            progress=ProgressState(),
+        )
+    return replace(ep, registration=registration)
+
+
+def apply_canary(
+    ep: EndpointState,
+    result: Result,
+    incarnation: int,
+    policy: Policy,
+    *,
+    baseline: ProgressSample | None = None,
+    end: ProgressSample | None = None,
+    cost: CanaryCost | None = None,
+    suspected: bool = False,
+) -> EndpointState:
+    """Apply a canary's result; ``baseline`` and ``end`` are the metrics read just before it was
+    sent and just after it timed out. Results from an older incarnation are dropped."""
+    if incarnation != ep.incarnation or not ep.registration.registered:
+        return ep
+    evidence = TimeoutEvidence(
+        foreign_progress(baseline, end, cost or CanaryCost()),
+        end.in_flight if end is not None else None,
+        suspected,
+        ep.progress.quiet_since,
+    )
+    return replace(ep, canary=on_canary(ep.canary, result, policy, evidence))
+
+
+def apply_sample(
+    ep: EndpointState, sample: ProgressSample | None, why: str, spec: ProgressSpec
+) -> EndpointState:
+    return replace(ep, progress=on_sample(ep.progress, sample, why, spec))
+
+
+def canary_due(ep: EndpointState, policy: Policy) -> float | None:
+    """When the next canary may leave (monotonic); None while there is nothing to send.
+
+    - Not registered, or no canary for this role: nothing.
+    - Work in flight and the counters quiet for ``policy.suspect_after``: a stall is suspected;
+      a canary leaves now to confirm or clear it. If one already passed during this quiet spell,
+      the engine serves while its requests wait on something outside it (a KV transfer from a
+      prefill peer): the next one goes ``wait`` later, as on an idle engine.
+    - Ready, no failure pending, work in flight and the counters advancing: held back (it would
+      queue behind real work and prove nothing the counters do not).
+    - Otherwise the schedule the canary source set: ``wait`` when ready, ``retry`` when not.
+    """
+    canary, progress = ep.canary, ep.progress
+    if not ep.has_canary or not ep.registration.registered or canary.next_due is None:
+        return None
+    suspect_at = progress.suspect_at(policy.suspect_after)
+    if suspect_at is None:  # idle, or the load is unknown
+        return canary.next_due
+    if _passed_while_quiet(ep):
+        return max(canary.next_due, (canary.last_pass_at or 0.0) + policy.wait)
+    if canary.ready and not canary.failures:
+        return suspect_at  # held back until the counters have been quiet too long
+    due = min(canary.next_due, suspect_at)
+    if canary.last is not None:  # never closer than ``retry`` to the last one
+        due = max(due, canary.last.started + policy.retry)
+    return due
+
+
+def _passed_while_quiet(ep: EndpointState) -> bool:
+    last_pass, quiet = ep.canary.last_pass_at, ep.progress.quiet_since
+    return ep.progress.busy and last_pass is not None and quiet is not None and last_pass >= quiet
+
+
+def suspected(ep: EndpointState, policy: Policy, now: float) -> bool:
+    """A canary leaving now goes to confirm a stall suspicion."""
+    return ep.progress.suspects_stall(policy.suspect_after, now) and not _passed_while_quiet(ep)
+
+
+def parked(ep: EndpointState, policy: Policy, now: float) -> bool:
+    """Work sits in flight without progress while the canary passes: the requests wait on
+    something outside the engine (a decode worker waiting for a prefill peer's KV)."""
+    return ep.progress.suspects_stall(policy.suspect_after, now) and _passed_while_quiet(ep)

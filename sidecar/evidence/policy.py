@@ -1,0 +1,32 @@
+"""Thresholds and timings the sources follow, derived once from the settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Policy:
+    failure_threshold: int = 2  # consecutive counted canary failures: ready -> notready
+    success_threshold: int = 1  # consecutive passes: notready -> ready
+    wait: float = 10.0  # seconds a ready endpoint goes without a canary
+    retry: float = 1.0  # seconds between canaries while failing or unproven
+    timeout: float = 3.0  # the whole answer of any request
+    liveness_window: float = 120.0
+    stall_window: float = 5.0  # counters stopping under load -> notready, at most this long
+    metrics_interval: float = 1.0
+
+    @property
+    def suspect_after(self) -> float:
+        """Seconds of quiet counters with work in flight (counted from the last read that showed
+        an advance) before a canary leaves to confirm a stall. Chosen so that a confirmed stall
+        is notready within ``stall_window`` of the counters stopping: up to one metrics interval
+        passes before a read last shows them move, then this, then the canary's timeout."""
+        return max(
+            self.metrics_interval / 2, self.stall_window - self.timeout - self.metrics_interval
+        )
+
+    @property
+    def stall_bound(self) -> float:
+        """The longest time from counters stopping under load to notready ("stalled")."""
+        return self.metrics_interval + self.suspect_after + self.timeout

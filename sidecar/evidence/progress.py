@@ -1,0 +1,224 @@
+"""Engine progress from its own Prometheus metrics: a hint, never a verdict.
+
+What the metrics may do: hold routine canaries back while the engine is busy and its counters
+advance (a canary would only queue behind real work); excuse a canary timeout when other work
+progressed while it waited; raise the suspicion of a stall (work in flight, counters quiet) that a
+canary then confirms or clears. What they may not do: make an endpoint ready, or undo a failed
+canary. Which samples mean what is each backend's business: ``progress`` in
+``sidecar/canary/<backend>.py``. Parsing is prometheus-client's.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+
+from prometheus_client.parser import text_string_to_metric_families
+
+# The counter categories a spec may list. Each advances only when the engine computes.
+PROMPT, GENERATION, STEPS, COMPLETED = "prompt", "generation", "steps", "completed"
+CATEGORIES = (PROMPT, GENERATION, STEPS, COMPLETED)
+
+
+@dataclass(frozen=True)
+class Series:
+    """A sample name (exposition name: a counter ``x`` is served as ``x_total``, a histogram's
+    count as ``x_count``) and the labels it must carry; every matching sample is summed."""
+
+    name: str
+    labels: tuple[tuple[str, str], ...] = ()
+
+    def matches(self, labels: Mapping[str, str]) -> bool:
+        return all(labels.get(k) == v for k, v in self.labels)
+
+    def __str__(self) -> str:
+        if not self.labels:
+            return self.name
+        return self.name + "{" + ",".join(f'{k}="{v}"' for k, v in self.labels) + "}"
+
+
+def series(*names: str | Series) -> tuple[Series, ...]:
+    return tuple(n if isinstance(n, Series) else Series(n) for n in names)
+
+
+@dataclass(frozen=True)
+class ProgressSpec:
+    """Where a backend publishes its metrics and which samples mean what."""
+
+    path: str
+    running: tuple[Series, ...]  # requests the engine works on
+    waiting: tuple[Series, ...]  # requests queued for it
+    counters: Mapping[str, tuple[Series, ...]]  # category -> totals that advance with work
+    # Requests waiting on something outside the engine (a KV transfer from a prefill peer).
+    peer_wait: tuple[Series, ...] = ()
+
+    def names(self) -> list[str]:
+        every = [*self.running, *self.waiting, *self.peer_wait]
+        every += [s for c in CATEGORIES for s in self.counters.get(c, ())]
+        return [str(s) for s in every]
+
+
+@dataclass(frozen=True)
+class ProgressSample:
+    at: float  # monotonic time of the read
+    wall: float
+    in_flight: float | None  # running + waiting; None when the engine publishes neither
+    counters: Mapping[str, float]  # category -> summed total, for the categories published
+    peer_wait: float | None = None
+    found: tuple[str, ...] = ()  # the spec's series present in the exposition
+
+    def describe(self) -> str:
+        flight = "unknown" if self.in_flight is None else f"{self.in_flight:g}"
+        return f"{flight} requests in flight"
+
+
+class MetricsUnreadable(ValueError):
+    pass
+
+
+def read_progress(text: str, spec: ProgressSpec, at: float, wall: float) -> ProgressSample:
+    """Sum the spec's samples in a Prometheus text exposition. Raises MetricsUnreadable."""
+    groups: dict[str, tuple[Series, ...]] = {
+        "running": spec.running,
+        "waiting": spec.waiting,
+        "peer_wait": spec.peer_wait,
+        **spec.counters,
+    }
+    by_name: dict[str, list[tuple[str, Series]]] = {}
+    for group, members in groups.items():
+        for s in members:
+            by_name.setdefault(s.name, []).append((group, s))
+    totals: dict[str, float] = {}
+    found: dict[str, None] = {}
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                for group, s in by_name.get(sample.name, ()):
+                    if s.matches(sample.labels):
+                        value = float(sample.value)
+                        if math.isfinite(value):
+                            totals[group] = totals.get(group, 0.0) + value
+                            found[str(s)] = None
+    except (ValueError, TypeError, IndexError) as exc:
+        raise MetricsUnreadable(f"not a Prometheus exposition: {exc}") from None
+    running, waiting = totals.get("running"), totals.get("waiting")
+    in_flight = None if running is None and waiting is None else (running or 0.0) + (waiting or 0.0)
+    counters = {c: totals[c] for c in CATEGORIES if c in totals}
+    return ProgressSample(at, wall, in_flight, counters, totals.get("peer_wait"), tuple(found))
+
+
+def unusable(sample: ProgressSample, spec: ProgressSpec) -> str | None:
+    """Why a sample cannot serve as evidence, or None. Without a counter nothing shows progress:
+    in-flight gauges alone would read every busy engine as stuck."""
+    if sample.counters:
+        return None
+    wanted = ", ".join(str(s) for c in CATEGORIES for s in spec.counters.get(c, ()))
+    if sample.in_flight is not None:
+        return f"in-flight gauges but none of the progress counters ({wanted})"
+    return f"none of the backend's progress metrics ({', '.join(spec.names())})"
+
+
+@dataclass(frozen=True)
+class ProgressState:
+    readable: bool = False
+    why: str = "not read yet"  # why not readable, or what is read
+    latest: ProgressSample | None = None
+    quiet_since: float | None = None  # work in flight and no counter advanced since then
+    last_advance_at: float | None = None  # monotonic time of the read that showed an advance
+    last_advance_wall: float | None = None
+
+    @property
+    def in_flight(self) -> float | None:
+        return self.latest.in_flight if self.readable and self.latest else None
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.in_flight)
+
+    def quiet_for(self, now: float) -> float:
+        """Seconds work has sat in flight with no counter advancing (0 when idle or unknown)."""
+        if not self.busy or self.quiet_since is None:
+            return 0.0
+        return max(0.0, now - self.quiet_since)
+
+    def suspect_at(self, suspect_after: float) -> float | None:
+        """When a stall becomes suspect if no read shows progress before (monotonic); None while
+        idle or unknown. A time, not a read: the confirming canary leaves on the dot."""
+        if not self.busy or self.quiet_since is None:
+            return None
+        return self.quiet_since + suspect_after
+
+    def suspects_stall(self, suspect_after: float, now: float) -> bool:
+        """Work in flight and no counter advanced for ``suspect_after``: a canary should confirm."""
+        at = self.suspect_at(suspect_after)
+        return at is not None and now >= at
+
+    def progressing_since(self, since: float) -> bool:
+        return self.readable and self.last_advance_at is not None and self.last_advance_at >= since
+
+
+def _advanced(before: ProgressSample | None, after: ProgressSample) -> bool | None:
+    """True if a counter went up, False if none moved, None if one went down (a reset)."""
+    if before is None:
+        return False
+    moved = False
+    for category, value in after.counters.items():
+        old = before.counters.get(category)
+        if old is None:
+            continue
+        if value < old:
+            return None
+        moved = moved or value > old
+    return moved
+
+
+def on_sample(
+    state: ProgressState, sample: ProgressSample | None, why: str, spec: ProgressSpec
+) -> ProgressState:
+    """Apply one read of the engine's metrics (None: it could not be read, ``why`` says why)."""
+    problem = why if sample is None else unusable(sample, spec)
+    if problem is not None:
+        # Unknown load: no hold, no suspicion, no excuse; the canary alone decides.
+        return replace(state, readable=False, why=problem, latest=None, quiet_since=None)
+    assert sample is not None
+    previous = state.latest if state.readable else None
+    advanced = _advanced(previous, sample)
+    changes: dict[str, object] = {
+        "readable": True,
+        "why": f"reading {', '.join(sample.found)}",
+        "latest": sample,
+    }
+    if advanced:
+        changes |= {"last_advance_at": sample.at, "last_advance_wall": sample.wall}
+    if not sample.in_flight:
+        changes["quiet_since"] = None
+    elif advanced or advanced is None or state.quiet_since is None:
+        changes["quiet_since"] = sample.at
+    return replace(state, **changes)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class CanaryCost:
+    """What one canary may move by itself: progress within these budgets proves nothing."""
+
+    budgets: Mapping[str, float] = field(default_factory=dict)  # category -> amount; absent: inf
+
+    def exceeded_by(self, category: str, delta: float) -> bool:
+        return delta > self.budgets.get(category, math.inf)
+
+
+def foreign_progress(
+    baseline: ProgressSample | None, end: ProgressSample | None, cost: CanaryCost
+) -> bool | None:
+    """Did work other than the canary progress between two reads taken around it? None when it
+    cannot be told (a read is missing, or the counters were reset)."""
+    if baseline is None or end is None or not baseline.counters or not end.counters:
+        return None
+    if _advanced(baseline, end) is None:
+        return None
+    return any(
+        cost.exceeded_by(c, end.counters[c] - baseline.counters[c])
+        for c in end.counters
+        if c in baseline.counters
+    )

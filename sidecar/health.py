@@ -1,0 +1,267 @@
+"""The single writer of health state, and the snapshot every reader reads.
+
+The monitor (on its own thread) reports what it observed; :class:`Health` hands each observation
+to its evidence source (:mod:`sidecar.endpoint`), logs one line per change with its reason, counts
+it in metrics, and publishes a new immutable :class:`Snapshot`. The HTTP routes and the metrics
+collector, on another thread, read ``health.snapshot`` once per answer: one /health body always
+comes from one snapshot. Only the monitor's thread calls the writers (SIGTERM's drain request is
+handed to it too).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field, replace
+
+from sidecar.canary import CanaryPlan
+from sidecar.config import Settings, StartingStatus
+from sidecar.endpoint import (
+    EndpointState,
+    apply_canary,
+    apply_registration,
+    apply_sample,
+)
+from sidecar.evidence.policy import Policy
+from sidecar.evidence.progress import CanaryCost, ProgressSample, ProgressSpec
+from sidecar.evidence.result import Result
+from sidecar.verdict import (
+    Liveness,
+    Readiness,
+    Rule,
+    Verdict,
+    decide_liveness,
+    decide_readiness,
+    endpoint_verdict,
+    engine_disagrees,
+)
+
+log = logging.getLogger("sidecar.health")
+
+# The monitor publishes a heartbeat every HEARTBEAT_INTERVAL; a snapshot older than
+# HEARTBEAT_STALE means its thread is stuck: /health and the sidecar's own probe then fail.
+HEARTBEAT_INTERVAL = 0.5
+HEARTBEAT_STALE = 10.0
+
+
+def policy_from(settings: Settings) -> Policy:
+    return Policy(
+        failure_threshold=settings.failure_threshold,
+        success_threshold=settings.success_threshold,
+        wait=settings.canary_wait_time,
+        retry=settings.retry_interval,
+        timeout=settings.request_timeout,
+        liveness_window=settings.liveness_window,
+        stall_window=settings.effective_stall_window,
+        metrics_interval=settings.metrics_interval,
+    )
+
+
+@dataclass(frozen=True)
+class Listener:
+    """Called on the monitor's thread after every recorded event (metrics use it)."""
+
+    on_canary: Callable[[str, Result], None]
+    on_transition: Callable[[str, str], None]
+    on_disagreement: Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Everything a reader needs, consistent with itself."""
+
+    endpoints: Mapping[str, EndpointState]
+    verdicts: Mapping[str, Verdict]
+    models: Mapping[str, str | None]
+    draining: bool
+    heartbeat: float  # monotonic time the monitor last ran
+    policy: Policy = field(default_factory=Policy)
+    listed: tuple[str, ...] = ()
+    starting: StartingStatus = StartingStatus.NOTREADY
+
+    def stale_for(self, now: float) -> float | None:
+        """Seconds the monitor has been silent, when that is too long; else None."""
+        silent = now - self.heartbeat
+        return silent if silent > HEARTBEAT_STALE else None
+
+    @property
+    def engine_gone(self) -> bool:
+        """Every endpoint's last registration check found nothing listening."""
+        return all(ep.registration.gone for ep in self.endpoints.values())
+
+
+class Health:
+    def __init__(
+        self,
+        settings: Settings,
+        plans: Iterable[CanaryPlan],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.settings = settings
+        self.policy = policy_from(settings)
+        self.clock = clock
+        self.started = clock()
+        self.plans = {p.endpoint: p for p in plans}
+        self.listeners: list[Listener] = []
+        endpoints = {
+            p.endpoint: EndpointState(p.endpoint, p.enabled, p.why) for p in self.plans.values()
+        }
+        self.snapshot = self._make(endpoints, {n: settings.model for n in endpoints}, False)
+        self._last_ready: bool | None = None
+        self._last_live = True
+        self._progress_said: dict[str, tuple[bool, str]] = {}
+
+    def _make(
+        self,
+        endpoints: Mapping[str, EndpointState],
+        models: Mapping[str, str | None],
+        draining: bool,
+    ) -> Snapshot:
+        now = self.clock()
+        return Snapshot(
+            endpoints=dict(endpoints),
+            verdicts={n: endpoint_verdict(ep, self.policy, now) for n, ep in endpoints.items()},
+            models=dict(models),
+            draining=draining,
+            heartbeat=now,
+            policy=self.policy,
+            listed=self.settings.use_endpoint_health_status,
+            starting=self.settings.starting_health_status,
+        )
+
+    # --- writers: the monitor's thread only ----------------------------------------------------
+    def record_registration(self, name: str, result: Result) -> None:
+        before = self.snapshot.endpoints[name]
+        after = apply_registration(before, result, self.policy)
+        if before.registration.registered != after.registration.registered:
+            log.info(
+                "%s: engine %s (%s)",
+                name,
+                "registered" if after.registration.registered else "deregistered",
+                after.registration.reason,
+            )
+        elif after.registration.note and after.registration.note != before.registration.note:
+            log.info("%s: %s", name, after.registration.reason)
+        self._commit(name, after)
+
+    def record_canary(
+        self,
+        name: str,
+        result: Result,
+        incarnation: int,
+        *,
+        baseline: ProgressSample | None = None,
+        end: ProgressSample | None = None,
+        cost: CanaryCost | None = None,
+        suspected: bool = False,
+    ) -> None:
+        for listener in self.listeners:
+            listener.on_canary(name, result)
+        before = self.snapshot.endpoints[name]
+        after = apply_canary(
+            before,
+            result,
+            incarnation,
+            self.policy,
+            baseline=baseline,
+            end=end,
+            cost=cost,
+            suspected=suspected,
+        )
+        if after is before:
+            log.debug("%s: dropped the result of a canary sent to an older incarnation", name)
+            return
+        if after.canary.stalled and not before.canary.stalled:
+            log.warning("%s: engine stalled: %s", name, after.canary.reason)
+        self._commit(name, after)
+
+    def record_sample(
+        self, name: str, sample: ProgressSample | None, why: str, spec: ProgressSpec
+    ) -> None:
+        before = self.snapshot.endpoints[name]
+        after = apply_sample(before, sample, why, spec)
+        said = (after.progress.readable, after.progress.why)
+        if self._progress_said.get(name) != said:  # once per change, not per incarnation
+            self._progress_said[name] = said
+            if after.progress.readable:
+                log.info("%s: engine progress: %s", name, after.progress.why)
+            else:
+                log.info(
+                    "%s: engine progress unknown (%s); the canary alone decides",
+                    name,
+                    after.progress.why,
+                )
+        self._commit(name, after)
+
+    def set_model(self, name: str, model: str | None) -> None:
+        snap = self.snapshot
+        if snap.models[name] != model:
+            log.info("%s: served model is %r (from GET /v1/models)", name, model)
+            self.snapshot = replace(snap, models={**snap.models, name: model})
+
+    def start_draining(self) -> None:
+        if not self.snapshot.draining:
+            self.snapshot = self._make(self.snapshot.endpoints, self.snapshot.models, True)
+            self._log_worker()
+
+    def tick(self) -> None:
+        """The heartbeat: republish, and log a change of liveness (which time alone changes)."""
+        self.snapshot = replace(self.snapshot, heartbeat=self.clock())
+        self._log_worker()
+
+    def _commit(self, name: str, after: EndpointState) -> None:
+        snap = self.snapshot
+        before = snap.endpoints[name]
+        if after == before:
+            self.snapshot = replace(snap, heartbeat=self.clock())
+            return
+        new = self._make({**snap.endpoints, name: after}, snap.models, snap.draining)
+        was, now = snap.verdicts[name], new.verdicts[name]
+        self.snapshot = new
+        if was.ready != now.ready:
+            label = {True: "ready", False: "notready", None: "unknown"}[now.ready]
+            log.info("%s: endpoint %s: %s", name, label, now.reason)
+            for listener in self.listeners:
+                listener.on_transition(name, label)
+        if engine_disagrees(after) and not engine_disagrees(before):
+            log.warning("%s: the engine's own health route answers 200 while it is hung", name)
+            for listener in self.listeners:
+                listener.on_disagreement(name)
+        self._log_worker()
+
+    def _log_worker(self) -> None:
+        snap = self.snapshot
+        now = self.clock()
+        readiness = readiness_of(snap, now)
+        if readiness.ready != self._last_ready:
+            self._last_ready = readiness.ready
+            log.info(
+                "worker %s (rule %s): %s",
+                "ready" if readiness.ready else "notready",
+                readiness.rule,
+                readiness.reason,
+            )
+        liveness = liveness_of(snap, now)
+        if liveness.live != self._last_live:
+            self._last_live = liveness.live
+            log.warning("worker %s: %s", "live" if liveness.live else "not live", liveness.reason)
+
+
+# --- readers: any thread, one snapshot per answer -----------------------------------------------
+def readiness_of(snap: Snapshot, now: float) -> Readiness:
+    stale = snap.stale_for(now)
+    if stale is not None and not snap.draining:
+        return Readiness(
+            False, Rule.STALE, f"the monitor has not run for {stale:.1f} s: the verdict is stale"
+        )
+    return decide_readiness(snap.verdicts, snap.listed, snap.starting, draining=snap.draining)
+
+
+def liveness_of(snap: Snapshot, now: float) -> Liveness:
+    stale = snap.stale_for(now)
+    if stale is not None:
+        # The engine may be fine; restarting it would not revive the sidecar's monitor (the
+        # sidecar's own probe, /sidecar/live, does that).
+        return Liveness(True, f"unknown: the monitor has not run for {stale:.1f} s")
+    return decide_liveness(snap.endpoints, now, snap.policy.liveness_window)

@@ -1,0 +1,124 @@
+"""The JSON bodies of /health, /live and /sidecar/live, each built from one snapshot.
+
+Dynamo's fields come first (status, uptime, endpoints); then which rule decided and why, and per
+endpoint what each evidence source knows.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from sidecar.config import StartingStatus
+from sidecar.endpoint import EndpointState, parked, suspected
+from sidecar.health import HEARTBEAT_STALE, Snapshot, liveness_of, readiness_of
+from sidecar.verdict import RULE_TEXT, engine_disagrees
+
+
+def iso(wall: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(wall)) + f".{int(wall % 1 * 1000):03d}Z"
+
+
+def _wall(monotonic: float | None, now: float) -> str | None:
+    return None if monotonic is None else iso(time.time() - (now - monotonic))
+
+
+def uptime(started: float, now: float) -> dict[str, int]:
+    elapsed = max(0.0, now - started)
+    secs = int(elapsed)
+    return {"secs": secs, "nanos": int((elapsed - secs) * 1e9)}
+
+
+def _progress(ep: EndpointState, snap: Snapshot, now: float) -> dict[str, Any]:
+    progress = ep.progress
+    latest = progress.latest
+    return {
+        "readable": progress.readable,
+        "detail": progress.why,
+        "in_flight": progress.in_flight,
+        "quiet_seconds": round(progress.quiet_for(now), 3) if progress.busy else None,
+        "stall_suspected": suspected(ep, snap.policy, now),
+        "waiting_outside_engine": parked(ep, snap.policy, now),
+        "waiting_for_kv_transfer": latest.peer_wait if latest is not None else None,
+    }
+
+
+def _check(ep: EndpointState, snap: Snapshot, now: float) -> dict[str, Any]:
+    canary, registration, progress = ep.canary, ep.registration, ep.progress
+    last = canary.last
+    return {
+        "reason": snap.verdicts[ep.name].reason,
+        "registered": bool(registration.registered),
+        "registration": registration.reason,
+        "canary": "enabled" if ep.has_canary else "disabled",
+        "canary_why": ep.canary_why,
+        "model": snap.models.get(ep.name),
+        "consecutive_failures": canary.failures,
+        "consecutive_successes": canary.successes,
+        "hard_failure_since": _wall(canary.hard_since, now),
+        "stalled": canary.stalled,
+        "last_canary": None
+        if last is None
+        else {
+            "outcome": last.outcome.value,
+            "reason": last.reason,
+            "latency_seconds": round(last.latency, 6),
+            "time": iso(last.wall_time),
+            "request_id": last.request_id,
+        },
+        "engine_health_agrees": not engine_disagrees(ep),
+        "in_flight": progress.in_flight,
+        "progress": _progress(ep, snap, now),
+        "last_progress_time": (
+            iso(progress.last_advance_wall) if progress.last_advance_wall is not None else None
+        ),
+        "last_success_time": (
+            iso(canary.last_success_wall) if canary.last_success_wall is not None else None
+        ),
+    }
+
+
+def health_body(snap: Snapshot, started: float, now: float) -> tuple[bool, dict[str, Any]]:
+    readiness = readiness_of(snap, now)
+    endpoints = {}
+    for name, verdict in snap.verdicts.items():
+        ready = verdict.ready
+        if ready is None:
+            ready = snap.starting is StartingStatus.READY
+        endpoints[name] = "ready" if ready else "notready"
+    body = {
+        "status": "ready" if readiness.ready else "notready",
+        "uptime": uptime(started, now),
+        "endpoints": endpoints,
+        "rule": readiness.rule.value,
+        "rule_text": RULE_TEXT[readiness.rule],
+        "reason": readiness.reason,
+        "checks": {name: _check(ep, snap, now) for name, ep in snap.endpoints.items()},
+    }
+    return readiness.ready, body
+
+
+def live_body(snap: Snapshot, started: float, now: float) -> tuple[bool, dict[str, Any]]:
+    liveness = liveness_of(snap, now)
+    return liveness.live, {
+        "status": "live" if liveness.live else "notlive",
+        "uptime": uptime(started, now),
+        "reason": liveness.reason,
+        "cause": liveness.cause.value if liveness.cause else None,
+        "window_seconds": snap.policy.liveness_window,
+    }
+
+
+def sidecar_body(snap: Snapshot, started: float, now: float) -> tuple[bool, dict[str, Any]]:
+    """The sidecar's own liveness: its monitor thread still runs."""
+    silent = now - snap.heartbeat
+    ok = silent <= HEARTBEAT_STALE
+    return ok, {
+        "status": "live" if ok else "notlive",
+        "uptime": uptime(started, now),
+        "monitor_heartbeat_age_seconds": round(silent, 3),
+        "stale_after_seconds": HEARTBEAT_STALE,
+        "reason": "the monitor runs"
+        if ok
+        else f"the monitor has not run for {silent:.1f} s: restart the sidecar",
+    }

@@ -1,0 +1,202 @@
+"""Why did /health or /live say what it said? Everything is decided here, from the evidence
+sources' states, by pure functions.
+
+One endpoint's verdict (:func:`endpoint_verdict`), as a table:
+
+=================  ======================  =========  ==========================================
+registration       canary                  verdict    reason
+=================  ======================  =========  ==========================================
+not checked yet    any                     none       not checked yet
+not registered     any                     notready   engine not registered: <its answer>
+registered         none for this role      ready      registered; no canary (<why>)
+registered         no result yet           none       registered; waiting for the first canary
+registered         ready                   ready      canary passed ... (+ what the metrics say)
+registered         notready                notready   the canary's reason ("stalled: ...",
+                                                      "canary timeout: ..."), + "the engine's own
+                                                      health route still answers 200" when so
+=================  ======================  =========  ==========================================
+
+"none" counts as DYN_SYSTEM_STARTING_HEALTH_STATUS says. The engine's metrics never appear in
+the verdict column: they only shape the canary's schedule and how a timeout is counted.
+
+The worker's readiness (:func:`decide_readiness`): every counted endpoint ready (those listed in
+DYN_SYSTEM_USE_ENDPOINT_HEALTH_STATUS, or all), and not draining.
+
+Liveness (:func:`decide_liveness`): live unless one of these clocks has run for the whole
+liveness window, each started and ended by its own source only:
+
+- registration timing out: the health route accepts connections and does not answer (started by
+  an unexcused timeout; ended by any answer, or by a timeout while the counters advance);
+- canary failing hard: timeouts, 5xx, a rejection of a canary that passed before (ended by a
+  pass, a failure that is not hard, or a timeout excused by other work's progress);
+- stalled: a stall a canary confirmed (ended as the canary clock).
+
+A refused connection or a non-200 health answer stops every clock: a loading, draining or gone
+engine is never restarted by this sidecar.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+
+from sidecar.config import StartingStatus
+from sidecar.endpoint import EndpointState, parked
+from sidecar.evidence.policy import Policy
+
+
+@dataclass(frozen=True)
+class Verdict:
+    ready: bool | None  # None: no verdict yet
+    reason: str
+
+
+def engine_disagrees(ep: EndpointState) -> bool:
+    """The engine's own health route answers 200 while the canary finds it hung or failing
+    hard: the blind spot of vLLM's and TensorRT-LLM's /health."""
+    canary = ep.canary
+    return (
+        ep.has_canary
+        and ep.registration.answers_200
+        and canary.ready is False
+        and canary.hard_since is not None
+    )
+
+
+DISAGREES = "; the engine's own health route still answers 200"
+
+
+def _progress_note(ep: EndpointState, policy: Policy, now: float) -> str:
+    progress = ep.progress
+    if not parked(ep, policy, now):
+        return ""
+    note = (
+        f"; {progress.in_flight or 0:g} requests in flight without progress for "
+        f"{progress.quiet_for(now):.0f} s while the canary passes: they wait on something "
+        "outside the engine"
+    )
+    peer = progress.latest.peer_wait if progress.latest else None
+    if peer:
+        note += f" ({peer:g} waiting for a KV transfer from a prefill peer)"
+    return note
+
+
+def endpoint_verdict(ep: EndpointState, policy: Policy, now: float) -> Verdict:
+    registration, canary = ep.registration, ep.canary
+    if registration.registered is None:
+        return Verdict(None, "not checked yet")
+    if not registration.registered:
+        return Verdict(False, f"engine not registered: {registration.reason}")
+    if not ep.has_canary:
+        return Verdict(True, f"registered; no canary ({ep.canary_why})")
+    if canary.ready is None:
+        return Verdict(None, "registered; waiting for the first canary")
+    if canary.ready:
+        return Verdict(True, canary.reason + _progress_note(ep, policy, now))
+    return Verdict(False, canary.reason + (DISAGREES if engine_disagrees(ep) else ""))
+
+
+class Rule(StrEnum):
+    """Which rule decided readiness; reported in /health as "rule"."""
+
+    DRAINING = "draining"  # shutting down: SIGTERM received
+    STALE = "stale"  # the monitor stopped updating the evidence
+    LISTED = "listed_endpoints"  # DYN_SYSTEM_USE_ENDPOINT_HEALTH_STATUS is set
+    MONITORED = "monitored_endpoints"
+    STARTING = "starting_status"  # an endpoint had no verdict yet
+
+
+RULE_TEXT = {
+    Rule.DRAINING: "shutting down: notready while in-flight work drains",
+    Rule.STALE: "the sidecar's monitor has stopped: no verdict can be vouched for",
+    Rule.LISTED: "ready iff every endpoint in DYN_SYSTEM_USE_ENDPOINT_HEALTH_STATUS is ready",
+    Rule.MONITORED: "ready iff every monitored endpoint is ready",
+    Rule.STARTING: "an endpoint has no verdict yet: DYN_SYSTEM_STARTING_HEALTH_STATUS decides",
+}
+
+
+@dataclass(frozen=True)
+class Readiness:
+    ready: bool
+    rule: Rule
+    reason: str
+
+
+def decide_readiness(
+    verdicts: Mapping[str, Verdict],
+    listed: tuple[str, ...],
+    starting: StartingStatus,
+    *,
+    draining: bool = False,
+) -> Readiness:
+    """The endpoints that count are those listed in DYN_SYSTEM_USE_ENDPOINT_HEALTH_STATUS, or every
+    monitored endpoint when the list is empty. The worker is ready iff each of them is ready. An
+    endpoint with no verdict yet counts as DYN_SYSTEM_STARTING_HEALTH_STATUS says."""
+    if draining:
+        return Readiness(False, Rule.DRAINING, "draining: SIGTERM received")
+    rule = Rule.LISTED if listed else Rule.MONITORED
+    names = listed or tuple(verdicts)
+    undecided = [n for n in names if verdicts[n].ready is None]
+    failing = [n for n in names if verdicts[n].ready is False]
+    if failing:
+        return Readiness(False, rule, "; ".join(f"{n}: {verdicts[n].reason}" for n in failing))
+    if undecided:
+        ready = starting is StartingStatus.READY
+        return Readiness(
+            ready,
+            Rule.STARTING,
+            f"{', '.join(undecided)}: no verdict yet; DYN_SYSTEM_STARTING_HEALTH_STATUS={starting}",
+        )
+    return Readiness(True, rule, "; ".join(f"{n}: {verdicts[n].reason}" for n in names))
+
+
+class Cause(StrEnum):
+    REGISTRATION = "registration timing out"
+    CANARY = "canary failing hard"
+    STALL = "stalled"
+
+
+def clocks(ep: EndpointState) -> dict[Cause, float]:
+    """The liveness clocks running for one endpoint: cause -> monotonic start."""
+    running: dict[Cause, float] = {}
+    if ep.registration.timeout_since is not None:
+        running[Cause.REGISTRATION] = ep.registration.timeout_since
+    if ep.registration.registered:
+        if ep.canary.stall_since is not None:
+            running[Cause.STALL] = ep.canary.stall_since
+        if ep.canary.hard_since is not None:
+            running[Cause.CANARY] = ep.canary.hard_since
+    return running
+
+
+def _current_reason(ep: EndpointState, cause: Cause) -> str:
+    if cause is Cause.REGISTRATION:
+        return ep.registration.reason
+    return ep.canary.reason
+
+
+@dataclass(frozen=True)
+class Liveness:
+    live: bool
+    reason: str
+    cause: Cause | None = None  # the clock that failed liveness, or runs longest
+
+
+def decide_liveness(endpoints: Mapping[str, EndpointState], now: float, window: float) -> Liveness:
+    """Live unless a clock has run for at least ``window`` seconds; the reason names the cause
+    and quotes its source's current reason."""
+    running = [
+        (start, name, cause)
+        for name, ep in endpoints.items()
+        for cause, start in clocks(ep).items()
+    ]
+    if not running:
+        return Liveness(True, "no sustained hard failure")
+    start, name, cause = min(running)
+    elapsed = now - start
+    detail = f"{name}: {cause} for {elapsed:.1f} s"
+    current = _current_reason(endpoints[name], cause)
+    if elapsed >= window:
+        return Liveness(False, f"{detail} (window {window:g} s): {current}", cause)
+    return Liveness(True, f"{detail}, within the {window:g} s window: {current}", cause)

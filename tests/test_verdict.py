@@ -1,0 +1,421 @@
+"""The decision core as tables: each evidence source's transitions, the verdict table, liveness,
+and the canary's schedule. Pure functions, no I/O, no clock of their own."""
+
+from __future__ import annotations
+
+import gzip
+import math
+
+import pytest
+
+from sidecar.canary.vllm import VllmProber
+from sidecar.config import StartingStatus
+from sidecar.endpoint import (
+    EndpointState,
+    apply_canary,
+    apply_registration,
+    apply_sample,
+    canary_due,
+    parked,
+    suspected,
+)
+from sidecar.engine import BadEncoding, BodyTooLarge, _decode
+from sidecar.evidence.canary import CanaryState, TimeoutEvidence, on_canary
+from sidecar.evidence.policy import Policy
+from sidecar.evidence.progress import (
+    COMPLETED,
+    GENERATION,
+    PROMPT,
+    STEPS,
+    CanaryCost,
+    ProgressSample,
+    ProgressState,
+    foreign_progress,
+    on_sample,
+    read_progress,
+    unusable,
+)
+from sidecar.evidence.registration import RegistrationState, on_registration
+from sidecar.evidence.result import Outcome, Result
+from sidecar.verdict import (
+    Cause,
+    Rule,
+    Verdict,
+    decide_liveness,
+    decide_readiness,
+    endpoint_verdict,
+    engine_disagrees,
+)
+
+POLICY = Policy(
+    failure_threshold=2, success_threshold=1, wait=1.0, retry=1.0, timeout=0.5,
+    liveness_window=10.0, stall_window=2.5, metrics_interval=1.0,
+)  # fmt: skip
+SPEC = VllmProber.progress
+COST = VllmProber().cost(1)
+
+
+def result(outcome: Outcome, at: float = 0.0, latency: float = 0.01, status: int | None = None):
+    if status is None and outcome is Outcome.ERROR:
+        status = 500
+    if outcome is Outcome.SUCCESS:
+        status = 200
+    return Result(outcome, f"{outcome}", at, at + latency, 1e9 + at, "canary-x", status)
+
+
+def sample(at: float, in_flight: float | None, total: float = 0.0, **counters: float):
+    values = {PROMPT: total, GENERATION: total} | counters
+    return ProgressSample(at, 1e9 + at, in_flight, values)
+
+
+def registered(has_canary: bool = True, at: float = 0.0) -> EndpointState:
+    ep = EndpointState("generate", has_canary, "why")
+    return apply_registration(ep, result(Outcome.SUCCESS, at), POLICY)
+
+
+def passed(ep: EndpointState, at: float = 0.0) -> EndpointState:
+    return apply_canary(ep, result(Outcome.SUCCESS, at), ep.incarnation, POLICY)
+
+
+# --- the verdict table ----------------------------------------------------------------------------
+def _verdict_rows():
+    fresh = EndpointState("generate", True, "why")
+    down = apply_registration(fresh, result(Outcome.ERROR, status=503), POLICY)
+    ready = passed(registered())
+    failing = ready
+    for at in (1.0, 2.0):
+        failing = apply_canary(failing, result(Outcome.INVALID, at), failing.incarnation, POLICY)
+    return [
+        ("not checked", fresh, None, "not checked yet"),
+        ("deregistered (503)", down, False, "engine not registered: "),
+        ("registered, no canary", registered(has_canary=False), True, "registered; no canary"),
+        ("registered, no result yet", registered(), None, "registered; waiting for the first"),
+        ("registered, canary ready", ready, True, "canary passed in 10 ms"),
+        ("registered, canary notready", failing, False, "canary invalid: invalid"),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("ep", "ready", "reason"), [r[1:] for r in _verdict_rows()], ids=[r[0] for r in _verdict_rows()]
+)
+def test_verdict_table(ep, ready, reason):
+    verdict = endpoint_verdict(ep, POLICY, 10.0)
+    assert verdict.ready is ready
+    assert verdict.reason.startswith(reason)
+
+
+def test_a_role_without_canary_is_never_judged_by_progress():
+    ep = registered(has_canary=False)
+    for t in range(30):  # work in flight, counters frozen, for 30 s
+        ep = apply_sample(ep, sample(float(t), 3, 100.0), "", SPEC)
+    assert endpoint_verdict(ep, POLICY, 30.0) == Verdict(True, "registered; no canary (why)")
+    assert decide_liveness({"generate": ep}, 30.0, POLICY.liveness_window).live
+
+
+# --- the canary source ----------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("outcomes", "ready"),
+    [
+        (["success"], True),
+        (["success", "timeout"], True),  # one failure: 1 of 2
+        (["success", "timeout", "timeout"], False),
+        (["success", "invalid", "invalid"], False),
+        (["success", "timeout", "success", "timeout"], True),  # not consecutive
+        (["error"], False),  # unproven: no benefit of the doubt
+        (["timeout", "success"], True),
+    ],
+)
+def test_canary_hysteresis(outcomes, ready):
+    state = CanaryState()
+    for i, name in enumerate(outcomes):
+        state = on_canary(state, result(Outcome(name), float(i)), POLICY)
+    assert state.ready is ready
+
+
+# A timeout weighed against the engine's progress around it.
+@pytest.mark.parametrize(
+    ("evidence", "counted", "ready", "stalled"),
+    [
+        (TimeoutEvidence(True, 3), False, True, False),  # queued behind progressing work
+        (TimeoutEvidence(None), True, True, False),  # metrics unknown: 1 of 2
+        (TimeoutEvidence(False, 0), True, True, False),  # nothing held: 1 of 2
+        (TimeoutEvidence(False, 1), True, False, False),  # held, no progress: hung at once
+        (TimeoutEvidence(False, 2, suspected=True, quiet_since=1.0), True, False, True),
+    ],
+)
+def test_a_timeout_is_weighed_against_progress(evidence, counted, ready, stalled):
+    state = on_canary(CanaryState(), result(Outcome.SUCCESS), POLICY)
+    after = on_canary(state, result(Outcome.TIMEOUT, 5.0, 0.5), POLICY, evidence)
+    assert (after.failures >= 1) is counted
+    assert after.ready is ready
+    assert after.stalled is stalled
+    assert (after.hard_since is not None) is counted
+
+
+@pytest.mark.parametrize("outcome", [Outcome.INVALID, Outcome.ERROR, Outcome.REFUSED])
+def test_progress_never_excuses_a_failure_other_than_a_timeout(outcome):
+    state = on_canary(CanaryState(), result(Outcome.SUCCESS), POLICY)
+    for at in (1.0, 2.0):
+        state = on_canary(state, result(outcome, at), POLICY, TimeoutEvidence(True, 5))
+    assert state.ready is False
+    assert state.failures == 2
+
+
+@pytest.mark.parametrize(
+    ("proven", "status", "hard"),
+    [(False, 400, False), (True, 404, True), (True, 429, False), (False, 500, True)],
+)
+def test_rejections_are_hard_only_after_the_canary_passed(proven, status, hard):
+    state = on_canary(CanaryState(), result(Outcome.SUCCESS), POLICY) if proven else CanaryState()
+    after = on_canary(state, result(Outcome.ERROR, 1.0, status=status), POLICY)
+    assert (after.hard_since is not None) is hard
+
+
+# --- what one canary may move by itself -----------------------------------------------------------
+@pytest.mark.parametrize(
+    ("moved", "foreign"),
+    [
+        ({}, False),
+        ({PROMPT: 8}, False),  # counted on arrival: the canary's own prompt
+        ({PROMPT: 8, GENERATION: 1, STEPS: 2, COMPLETED: 1}, False),  # the canary, whole
+        ({PROMPT: 17}, True),  # another request's prompt
+        ({GENERATION: 2}, True),  # tokens beyond the canary's one
+        ({COMPLETED: 2}, True),  # another request finished
+    ],
+)
+def test_foreign_progress_excludes_the_canarys_own(moved, foreign):
+    zero = dict.fromkeys((PROMPT, GENERATION, STEPS, COMPLETED), 100.0)
+    before = ProgressSample(0.0, 0.0, 1, zero)
+    after = ProgressSample(1.0, 1.0, 1, {k: v + moved.get(k, 0) for k, v in zero.items()})
+    assert foreign_progress(before, after, COST) is foreign
+
+
+def test_foreign_progress_is_unknown_without_both_reads_or_across_a_reset():
+    a = sample(0.0, 1, 50.0)
+    assert foreign_progress(None, a, COST) is None
+    assert foreign_progress(a, None, COST) is None
+    assert foreign_progress(a, sample(1.0, 1, 10.0), COST) is None
+
+
+def test_a_users_payload_may_move_any_token_counter():
+    cost = CanaryCost({COMPLETED: 1})
+    assert foreign_progress(sample(0, 1, 0.0), sample(1, 1, 1000.0), cost) is False
+    assert foreign_progress(sample(0, 1, completed=0.0), sample(1, 1, completed=2.0), cost)
+
+
+# --- the progress source --------------------------------------------------------------------------
+EXPOSITION = """# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="tiny"} 2.0
+vllm:num_requests_running{engine="1",model_name="tiny"} 1.0
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="tiny"} 1.0
+# TYPE vllm:num_requests_waiting_by_reason gauge
+vllm:num_requests_waiting_by_reason{reason="capacity"} 0.0
+vllm:num_requests_waiting_by_reason{reason="deferred"} 1.0
+# TYPE vllm:prompt_tokens counter
+vllm:prompt_tokens_total{engine="0",model_name="tiny"} 40.0
+# TYPE vllm:generation_tokens counter
+vllm:generation_tokens_total{engine="0",model_name="tiny"} 7.0
+# TYPE vllm:iteration_tokens_total histogram
+vllm:iteration_tokens_total_count{engine="0",model_name="tiny"} 9.0
+vllm:iteration_tokens_total_sum{engine="0",model_name="tiny"} 47.0
+"""
+
+
+def test_read_progress_sums_by_category_and_label():
+    got = read_progress(EXPOSITION, SPEC, 5.0, 6.0)
+    assert got.in_flight == 4
+    assert got.counters == {PROMPT: 40, GENERATION: 7, STEPS: 9}
+    assert got.peer_wait == 1  # only reason="deferred"
+    assert 'vllm:num_requests_waiting_by_reason{reason="deferred"}' in got.found
+
+
+def test_gauges_without_counters_are_not_readable_metrics():
+    gauges = "\n".join(line for line in EXPOSITION.splitlines() if "tokens" not in line)
+    got = read_progress(gauges + "\n", SPEC, 0.0, 0.0)
+    assert got.in_flight == 4
+    problem = unusable(got, SPEC)
+    assert problem is not None
+    assert problem.startswith("in-flight gauges but none of the progress counters")
+    state = on_sample(ProgressState(), got, "", SPEC)
+    assert state.readable is False
+    assert state.busy is False  # so no hold, no suspicion: the canary alone decides
+
+
+def test_quiet_counters_with_work_in_flight_raise_a_suspicion_on_time():
+    state = ProgressState()
+    for t, total in ((0.0, 10.0), (1.0, 20.0), (2.0, 20.0)):
+        state = on_sample(state, sample(t, 2, total), "", SPEC)
+    assert state.quiet_since == 1.0  # the last read that showed them move
+    assert state.suspect_at(POLICY.suspect_after) == 1.0 + POLICY.suspect_after
+    assert not state.suspects_stall(POLICY.suspect_after, 1.5)
+    assert state.suspects_stall(POLICY.suspect_after, 2.0)
+    state = on_sample(state, sample(3.0, 0, 20.0), "", SPEC)  # drained
+    assert state.quiet_since is None
+
+
+@pytest.mark.parametrize(
+    ("timeout", "window", "interval", "suspect_after", "bound"),
+    [(0.5, 2.5, 1.0, 1.0, 2.5), (3.0, 5.0, 1.0, 1.0, 5.0), (3.0, 30.0, 1.0, 26.0, 30.0)],
+)
+def test_the_stall_window_is_the_bound(timeout, window, interval, suspect_after, bound):
+    policy = Policy(timeout=timeout, stall_window=window, metrics_interval=interval)
+    assert policy.suspect_after == suspect_after
+    assert policy.stall_bound == bound
+
+
+# --- the canary's schedule ------------------------------------------------------------------------
+def test_schedule():
+    ep = passed(registered(), at=0.0)
+    assert canary_due(ep, POLICY) == pytest.approx(1.01)  # ready, idle: every wait
+    busy = apply_sample(ep, sample(0.5, 2, 10.0), "", SPEC)
+    busy = apply_sample(busy, sample(1.5, 2, 20.0), "", SPEC)
+    assert canary_due(busy, POLICY) == 1.5 + POLICY.suspect_after  # held while counters move
+    assert not suspected(busy, POLICY, 2.0)
+    assert suspected(busy, POLICY, 2.5)
+    # The confirming canary passes: the requests wait outside the engine; back to every wait.
+    calm = passed(busy, at=2.5)
+    assert parked(calm, POLICY, 2.6)
+    assert canary_due(calm, POLICY) == pytest.approx(2.51 + POLICY.wait)
+    assert "they wait on something outside the engine" in endpoint_verdict(calm, POLICY, 3).reason
+
+
+def test_no_canary_while_not_registered_or_for_a_role_without_one():
+    ep = EndpointState("generate", True, "why")
+    assert canary_due(ep, POLICY) is None
+    assert canary_due(registered(has_canary=False), POLICY) is None
+    assert canary_due(registered(at=3.0), POLICY) == pytest.approx(3.01)
+
+
+def test_a_result_from_an_older_incarnation_is_dropped():
+    ep = registered()
+    old = ep.incarnation
+    ep = apply_registration(ep, result(Outcome.REFUSED, 1.0), POLICY)
+    ep = apply_registration(ep, result(Outcome.SUCCESS, 2.0), POLICY)
+    assert apply_canary(ep, result(Outcome.SUCCESS, 1.5), old, POLICY) is ep
+
+
+# --- the registration source ----------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("answers", "progressing", "just_passed", "registered", "clock"),
+    [
+        (["success", "refused"], False, True, False, False),  # gone: at once, no clock
+        (["success", "error"], False, True, False, False),  # 503 loading/draining: at once
+        (["success", "timeout"], False, False, False, True),  # frozen
+        (["success", "timeout"], False, True, True, True),  # once after a pass: tolerated
+        (["success", "timeout", "timeout"], False, True, False, True),
+        (["success", "timeout", "timeout"], True, False, True, False),  # slow under load
+        (["success", "timeout", "success"], False, False, True, False),
+    ],
+)
+def test_registration(answers, progressing, just_passed, registered, clock):
+    state = RegistrationState()
+    for i, name in enumerate(answers):
+        state = on_registration(
+            state,
+            result(Outcome(name), float(i)),
+            progressing=progressing,
+            canary_just_passed=just_passed,
+        )
+    assert state.registered is registered
+    assert (state.timeout_since is not None) is clock
+
+
+def test_a_slow_health_route_under_load_does_not_drop_a_serving_engine():
+    ep = passed(registered())
+    ep = apply_sample(ep, sample(0.0, 4, 10.0), "", SPEC)
+    ep = apply_sample(ep, sample(1.0, 4, 30.0), "", SPEC)
+    for at in (1.5, 2.5, 3.5):
+        ep = apply_registration(ep, result(Outcome.TIMEOUT, at, 1.0), POLICY)
+        ep = apply_sample(ep, sample(at + 0.5, 4, 30.0 + at * 10), "", SPEC)
+    assert ep.registration.registered is True
+    assert endpoint_verdict(ep, POLICY, 4.0).ready is True
+
+
+# --- liveness -------------------------------------------------------------------------------------
+def _hung(at: float = 0.0) -> EndpointState:
+    ep = passed(registered())
+    for t in (1.0, 2.0):
+        ep = apply_canary(ep, result(Outcome.TIMEOUT, at + t, 0.5), ep.incarnation, POLICY)
+    return ep
+
+
+@pytest.mark.parametrize(
+    ("now", "live", "cause"),
+    [(5.0, True, Cause.CANARY), (10.9, True, Cause.CANARY), (11.0, False, Cause.CANARY)],
+)
+def test_liveness_follows_the_canary_clock(now, live, cause):
+    got = decide_liveness({"generate": _hung()}, now, POLICY.liveness_window)
+    assert got.live is live
+    assert got.cause is cause
+    assert "canary failing hard" in got.reason
+
+
+@pytest.mark.parametrize("answer", [Outcome.ERROR, Outcome.REFUSED])
+def test_liveness_never_fails_while_the_health_route_answers_non_200_or_refuses(answer):
+    ep = _hung()
+    ep = apply_registration(ep, result(answer, 3.0, status=503), POLICY)
+    assert decide_liveness({"generate": ep}, 1000.0, POLICY.liveness_window).live
+
+
+def test_registration_timeouts_have_their_own_clock():
+    ep = registered()
+    for t in range(1, 14):
+        ep = apply_registration(ep, result(Outcome.TIMEOUT, float(t), 0.5), POLICY)
+    got = decide_liveness({"generate": ep}, 14.0, POLICY.liveness_window)
+    assert got.live is False
+    assert got.cause is Cause.REGISTRATION
+
+
+def test_the_live_reason_quotes_the_current_cause():
+    ep = _hung()
+    ep = apply_canary(ep, result(Outcome.ERROR, 3.0, status=502), ep.incarnation, POLICY)
+    got = decide_liveness({"generate": ep}, 12.0, POLICY.liveness_window)
+    assert got.reason.endswith("canary error: error")
+
+
+def test_engine_disagreement_needs_a_200_and_a_hard_failure():
+    assert engine_disagrees(_hung())
+    invalid = passed(registered())
+    for t in (1.0, 2.0):
+        invalid = apply_canary(invalid, result(Outcome.INVALID, t), invalid.incarnation, POLICY)
+    assert not engine_disagrees(invalid)
+
+
+# --- readiness ------------------------------------------------------------------------------------
+R, N, U = Verdict(True, "ok"), Verdict(False, "bad"), Verdict(None, "none")
+
+
+@pytest.mark.parametrize(
+    ("verdicts", "listed", "starting", "ready", "rule"),
+    [
+        ({"generate": R}, (), StartingStatus.NOTREADY, True, Rule.MONITORED),
+        ({"generate": N}, (), StartingStatus.READY, False, Rule.MONITORED),
+        ({"generate": U}, (), StartingStatus.READY, True, Rule.STARTING),
+        ({"generate": U}, (), StartingStatus.NOTREADY, False, Rule.STARTING),
+        ({"generate": R}, ("generate",), StartingStatus.NOTREADY, True, Rule.LISTED),
+    ],
+)
+def test_readiness_rule(verdicts, listed, starting, ready, rule):
+    got = decide_readiness(verdicts, listed, starting)
+    assert (got.ready, got.rule) == (ready, rule)
+
+
+def test_draining_wins():
+    got = decide_readiness({"generate": R}, (), StartingStatus.READY, draining=True)
+    assert (got.ready, got.rule) == (False, Rule.DRAINING)
+
+
+# --- reading what an engine serves ----------------------------------------------------------------
+def test_gzip_is_undone_within_the_byte_bound():
+    text = EXPOSITION.encode() * 3
+    assert _decode(gzip.compress(text), "gzip", 1 << 20) == text
+    assert _decode(text, "identity", 10) == text
+    with pytest.raises(BodyTooLarge):
+        _decode(gzip.compress(b"0" * 100_000), "gzip", 1024)  # a bomb stops at the bound
+    with pytest.raises(BadEncoding):
+        _decode(b"not gzip", "gzip", 1024)
+    with pytest.raises(BadEncoding):
+        _decode(text, "br", 1 << 20)
+    assert math.isfinite(read_progress(_decode(gzip.compress(text), "gzip", 1 << 20).decode(),
+                                       SPEC, 0.0, 0.0).in_flight or 0)  # fmt: skip
