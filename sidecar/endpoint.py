@@ -84,9 +84,13 @@ def apply_canary(
 
 
 def apply_sample(
-    ep: EndpointState, sample: ProgressSample | None, why: str, spec: ProgressSpec
+    ep: EndpointState,
+    sample: ProgressSample | None,
+    why: str,
+    spec: ProgressSpec,
+    own: CanaryCost | None = None,
 ) -> EndpointState:
-    return replace(ep, progress=on_sample(ep.progress, sample, why, spec))
+    return replace(ep, progress=on_sample(ep.progress, sample, why, spec, own))
 
 
 def canary_due(ep: EndpointState, policy: Policy) -> float | None:

@@ -177,10 +177,15 @@ class Health:
         self._commit(name, after)
 
     def record_sample(
-        self, name: str, sample: ProgressSample | None, why: str, spec: ProgressSpec
+        self,
+        name: str,
+        sample: ProgressSample | None,
+        why: str,
+        spec: ProgressSpec,
+        own: CanaryCost | None = None,
     ) -> None:
         before = self.snapshot.endpoints[name]
-        after = apply_sample(before, sample, why, spec)
+        after = apply_sample(before, sample, why, spec, own)
         said = (after.progress.readable, after.progress.why)
         if self._progress_said.get(name) != said:  # once per change, not per incarnation
             self._progress_said[name] = said

@@ -52,6 +52,7 @@ class Monitor:
         self.progress = progress
         self.metrics_interval = metrics_interval
         self._changed = asyncio.Event()
+        self._sent: dict[str, int] = dict.fromkeys(health.plans, 0)  # canaries sent so far
 
     async def run(self) -> None:
         """Run until cancelled. An unexpected error in any loop propagates (and stops the rest)."""
@@ -106,21 +107,24 @@ class Monitor:
             self._changed_now()
             await asyncio.sleep(max(0.0, started + self.registration_interval - loop.time()))
 
-    async def _read(self, spec: ProgressSpec) -> tuple[ProgressSample | None, str]:
+    async def _read(self, name: str, spec: ProgressSpec) -> tuple[ProgressSample | None, str]:
+        sent = self._sent[name]
         text, why = await self.client.metrics_text(spec.path)
         if text is None:
             return None, why
         try:
-            return read_progress(text, spec, self.health.clock(), time.time()), why
+            return read_progress(text, spec, self.health.clock(), time.time(), sent), why
         except MetricsUnreadable as exc:
             return None, f"GET {spec.path}: {exc}"
 
     async def _progress_loop(self, name: str, spec: ProgressSpec) -> None:
         loop = asyncio.get_running_loop()
+        plan = self.health.plans[name]
+        own = plan.cost(plan.request(None, "cost"))  # what one canary moves
         while True:
             started = loop.time()
-            sample, why = await self._read(spec)
-            self.health.record_sample(name, sample, why, spec)
+            sample, why = await self._read(name, spec)
+            self.health.record_sample(name, sample, why, spec, own)
             self._changed_now()
             await asyncio.sleep(max(0.0, started + self.metrics_interval - loop.time()))
 
@@ -147,11 +151,13 @@ class Monitor:
                 " to confirm a stall suspicion" if confirming else "",
             )
             if spec is None:
+                self._sent[name] += 1
                 result = await self.client.canary(plan, request)
                 baseline = end = None
             else:
                 # The baseline read runs beside the canary, so it never delays it.
-                reading = asyncio.create_task(self._read(spec), name=f"baseline:{name}")
+                self._sent[name] += 1
+                reading = asyncio.create_task(self._read(name, spec), name=f"baseline:{name}")
                 try:
                     result = await self.client.canary(plan, request)
                 except BaseException:
@@ -162,7 +168,7 @@ class Monitor:
                 # into the progress source (whose reads of the engine's own work they would skew).
                 end = None
                 if result.outcome is Outcome.TIMEOUT:
-                    end, _ = await self._read(spec)
+                    end, _ = await self._read(name, spec)
             self.health.record_canary(
                 name,
                 result,

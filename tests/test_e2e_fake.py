@@ -16,7 +16,12 @@ from tests.harness import wait_until
 
 WAIT, TIMEOUT = 1.0, 0.5
 CANARY_ON = {"DYN_HEALTH_CHECK_ENABLED": "true"}
-MATRIX = [(b, m) for b in ("vllm", "sglang", "trtllm") for m in ("aggregated", "prefill", "decode")]
+MATRIX = [
+    (b, m, arrival)
+    for b in ("vllm", "sglang", "trtllm")
+    for m in ("aggregated", "prefill", "decode")
+    for arrival in (False, True)
+]
 
 
 def canaries(fake) -> list[dict]:
@@ -31,9 +36,13 @@ def metric(text: str, name: str, **labels: str) -> float | None:
     return float(found.group(1)) if found else None
 
 
-@pytest.mark.parametrize(("backend", "mode"), MATRIX)
-def test_role_matrix_detects_and_recovers_from_a_generation_hang(engine, sidecar, backend, mode):
-    fake = engine(backend, mode)
+@pytest.mark.parametrize(("backend", "mode", "arrival"), MATRIX)
+def test_role_matrix_detects_and_recovers_from_a_generation_hang(
+    engine, sidecar, backend, mode, arrival
+):
+    """On an engine that counts a prompt when the request arrives, the canary's own arrival
+    must not read as progress (it excused the timeout and delayed detection to the stall rule)."""
+    fake = engine(backend, mode, *(["--prompt-on-arrival"] if arrival else []))
     env = CANARY_ON | {
         "SIDECAR_BACKEND": backend,
         "SIDECAR_DISAGGREGATION_MODE": mode,
@@ -66,6 +75,7 @@ def test_role_matrix_detects_and_recovers_from_a_generation_hang(engine, sidecar
     hung_at = time.monotonic()
     side.wait_status(503, WAIT + TIMEOUT + 2)
     detect = time.monotonic() - hung_at
+    assert detect <= WAIT + TIMEOUT + 0.5  # one canary, confirmed by the metrics
     assert fake.http.get(f"{fake.url}/health").status_code == 200  # the engine lies
     _, body = side.health()
     assert body["status"] == "notready"
@@ -76,9 +86,10 @@ def test_role_matrix_detects_and_recovers_from_a_generation_hang(engine, sidecar
 
     fake.fault(hang_generation=False)
     released_at = time.monotonic()
-    side.wait_status(200, 3)
+    side.wait_status(200, 1.5)
     recover = time.monotonic() - released_at
-    print(f"MATRIX {backend:6} {mode:10} detect {detect:.2f} s  recover {recover:.2f} s")
+    kind = "on arrival" if arrival else "after prefill"
+    print(f"MATRIX {backend:6} {mode:10} {kind:13} detect {detect:.2f} s  recover {recover:.2f} s")
     rejected = metric(
         side.metrics(), "health_sidecar_canary_total", endpoint="generate", outcome="error"
     )

@@ -67,6 +67,7 @@ class ProgressSample:
     counters: Mapping[str, float]  # category -> summed total, for the categories published
     peer_wait: float | None = None
     found: tuple[str, ...] = ()  # the spec's series present in the exposition
+    canaries: int = 0  # canaries the sidecar had sent when it took this read
 
     def describe(self) -> str:
         flight = "unknown" if self.in_flight is None else f"{self.in_flight:g}"
@@ -77,7 +78,9 @@ class MetricsUnreadable(ValueError):
     pass
 
 
-def read_progress(text: str, spec: ProgressSpec, at: float, wall: float) -> ProgressSample:
+def read_progress(
+    text: str, spec: ProgressSpec, at: float, wall: float, canaries: int = 0
+) -> ProgressSample:
     """Sum the spec's samples in a Prometheus text exposition. Raises MetricsUnreadable."""
     groups: dict[str, tuple[Series, ...]] = {
         "running": spec.running,
@@ -105,7 +108,9 @@ def read_progress(text: str, spec: ProgressSpec, at: float, wall: float) -> Prog
     running, waiting = totals.get("running"), totals.get("waiting")
     in_flight = None if running is None and waiting is None else (running or 0.0) + (waiting or 0.0)
     counters = {c: totals[c] for c in CATEGORIES if c in totals}
-    return ProgressSample(at, wall, in_flight, counters, totals.get("peer_wait"), tuple(found))
+    return ProgressSample(
+        at, wall, in_flight, counters, totals.get("peer_wait"), tuple(found), canaries
+    )
 
 
 def unusable(sample: ProgressSample, spec: ProgressSpec) -> str | None:
@@ -158,8 +163,11 @@ class ProgressState:
         return self.readable and self.last_advance_at is not None and self.last_advance_at >= since
 
 
-def _advanced(before: ProgressSample | None, after: ProgressSample) -> bool | None:
-    """True if a counter went up, False if none moved, None if one went down (a reset)."""
+def _advanced(
+    before: ProgressSample | None, after: ProgressSample, own: CanaryCost, canaries: float
+) -> bool | None:
+    """True if a counter went up by more than ``canaries`` canaries could move it (categories
+    without a budget: by anything), False if not, None if one went down (a reset)."""
     if before is None:
         return False
     moved = False
@@ -169,21 +177,31 @@ def _advanced(before: ProgressSample | None, after: ProgressSample) -> bool | No
             continue
         if value < old:
             return None
-        moved = moved or value > old
+        moved = moved or value - old > own.budgets.get(category, 0.0) * canaries
     return moved
 
 
 def on_sample(
-    state: ProgressState, sample: ProgressSample | None, why: str, spec: ProgressSpec
+    state: ProgressState,
+    sample: ProgressSample | None,
+    why: str,
+    spec: ProgressSpec,
+    own: CanaryCost | None = None,
 ) -> ProgressState:
-    """Apply one read of the engine's metrics (None: it could not be read, ``why`` says why)."""
+    """Apply one read of the engine's metrics (None: it could not be read, ``why`` says why).
+
+    ``own``: what one of the sidecar's canaries moves. Between two reads, the canaries sent
+    meanwhile (and one that may have been in flight at the first) are allowed for: their tokens
+    are not the progress of the work in flight.
+    """
     problem = why if sample is None else unusable(sample, spec)
     if problem is not None:
         # Unknown load: no hold, no suspicion, no excuse; the canary alone decides.
         return replace(state, readable=False, why=problem, latest=None, quiet_since=None)
     assert sample is not None
     previous = state.latest if state.readable else None
-    advanced = _advanced(previous, sample)
+    canaries = sample.canaries - previous.canaries + 1 if previous is not None else 0
+    advanced = _advanced(previous, sample, own or CanaryCost({}), canaries)
     changes: dict[str, object] = {
         "readable": True,
         "why": f"reading {', '.join(sample.found)}",
@@ -215,7 +233,7 @@ def foreign_progress(
     cannot be told (a read is missing, or the counters were reset)."""
     if baseline is None or end is None or not baseline.counters or not end.counters:
         return None
-    if _advanced(baseline, end) is None:
+    if any(end.counters[c] < baseline.counters[c] for c in end.counters if c in baseline.counters):
         return None
     return any(
         cost.exceeded_by(c, end.counters[c] - baseline.counters[c])
