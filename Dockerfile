@@ -20,9 +20,9 @@ ENV PATH=/opt/venv/bin:$PATH \
 # read-only: the sidecar writes no files.
 USER 10001:10001
 EXPOSE 9090
-# The sidecar's own health only: /metrics answers from memory. Never /live or /health: those
-# judge the engine, and an engine problem is not the sidecar's.
+# The sidecar's own health only: /sidecar/live fails when its monitor stops. Never /live or
+# /health: those judge the engine, and an engine problem is not the sidecar's.
 HEALTHCHECK --interval=10s --timeout=3s --start-period=10s --retries=3 \
-    CMD ["python", "-c", "import os, urllib.request as u; u.build_opener(u.ProxyHandler({})).open('http://127.0.0.1:%s/metrics' % os.environ.get('DYN_SYSTEM_PORT', '9090'), timeout=2)"]
+    CMD ["python", "-c", "import os, urllib.request as u; u.build_opener(u.ProxyHandler({})).open('http://127.0.0.1:%s/sidecar/live' % os.environ.get('DYN_SYSTEM_PORT', '9090'), timeout=2)"]
 ENTRYPOINT ["health-sidecar"]
 CMD ["serve"]

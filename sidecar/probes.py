@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 from sidecar.canary import plan_canary
 from sidecar.config import Settings
+from sidecar.health import policy_from
 
 READINESS_TARGET_SECONDS = 30.0
 """A hung engine leaves rotation within this many seconds (when the settings allow it)."""
@@ -110,11 +111,10 @@ def size(settings: Settings, max_load_seconds: float) -> Sizing:
         # The hard-failure run starts with the first failed canary, at most wait + retry after
         # the hang started; /live fails liveness_window later.
         hang_to_notlive = wait + retry + s.liveness_window
-        # With work in flight, no counter advancing for the stall window is a hang (seen at the
-        # next metrics read), sooner than any canary.
-        stall_to_notready = (
-            s.effective_stall_window + s.metrics_interval if s.progress_enabled else None
-        )
+        # With work in flight, quiet counters raise a suspicion that one canary confirms:
+        # notready within the stall bound (the stall window, when it is at least the timeout
+        # plus two metrics intervals).
+        stall_to_notready = policy_from(s).stall_bound if s.progress_enabled else None
     else:
         # No canary: readiness follows the engine's own health route.
         load_to_ready = s.registration_interval + timeout

@@ -241,6 +241,8 @@ def test_sidecar_is_a_native_sidecar(render_overlay, topology: str):
         for name in ("startupProbe", "livenessProbe", "readinessProbe"):
             if name in sidecar:
                 assert sidecar[name].get("httpGet", {}).get("path") not in ("/live", "/health")
+        # ... and they read the monitor's heartbeat: a stuck monitor restarts the sidecar.
+        assert sidecar["livenessProbe"]["httpGet"]["path"] == "/sidecar/live"
         security = sidecar["securityContext"]
         assert security["runAsNonRoot"] is True
         assert security["readOnlyRootFilesystem"] is True
@@ -407,8 +409,9 @@ def test_dockerfile_is_small_pinned_and_non_root():
     assert all(part.isdigit() and int(part) > 0 for part in user)
     assert json.loads(words["ENTRYPOINT"]) == ["health-sidecar"]
     assert "9090" in words["EXPOSE"].split()
-    assert "/metrics" in words["HEALTHCHECK"]
-    assert "/live" not in words["HEALTHCHECK"]
+    assert "/sidecar/live" in words["HEALTHCHECK"]
+    assert "'/live'" not in words["HEALTHCHECK"]
+    assert "/health" not in words["HEALTHCHECK"]
 
 
 def ignored(path: str, patterns: list[str]) -> bool:

@@ -143,8 +143,8 @@ def test_numbers_follow_the_settings(monkeypatch):
 
 
 def test_a_stall_under_load_is_seen_sooner(monkeypatch):
-    z = size(settings_from(monkeypatch, SIDECAR_STALL_WINDOW="4", **CANARY), 7200)
-    assert z.stall_to_notready == 4 + 1  # stall window + one metrics read
+    z = size(settings_from(monkeypatch, SIDECAR_STALL_WINDOW="6", **CANARY), 7200)
+    assert z.stall_to_notready == 6  # the stall window is the bound (timeout 3 s, reads 1 s)
     assert z.stall_to_notready < z.hang_to_notready
     off = settings_from(monkeypatch, SIDECAR_PROGRESS_ENABLED="false", **CANARY)
     assert size(off, 7200).stall_to_notready is None
