@@ -17,16 +17,16 @@ are headroom for a starved node, never time given to the engine.
   :data:`READINESS_TARGET_SECONDS`.
 
 :func:`size` computes the numbers and the arithmetic behind them (pure, tested);
-:func:`render` prints them as a YAML fragment with a comment on each number. The YAML has a fixed
-shape, so it is written by hand (no YAML library at run time).
+:func:`render` prints them as a YAML fragment (written by PyYAML) with a comment on each number.
 """
 
 from __future__ import annotations
 
 import math
-import re
 import textwrap
 from dataclasses import dataclass
+
+import yaml
 
 from sidecar.canary import plan_canary
 from sidecar.config import Settings
@@ -148,13 +148,6 @@ def size(settings: Settings, max_load_seconds: float) -> Sizing:
     )
 
 
-_PLAIN_PATH = re.compile(r"/[A-Za-z0-9._~/-]*")
-
-
-def _path(path: str) -> str:
-    if _PLAIN_PATH.fullmatch(path):
-        return path
-    return '"' + path.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 def _comment(text: str, indent: str = "") -> list[str]:
@@ -170,16 +163,20 @@ def _probe(
     notes: dict[str, str],
     extra: tuple[tuple[str, int, str], ...] = (),
 ) -> list[str]:
+    """One probe: PyYAML writes the mapping (quoting included); the comments are woven in after,
+    since PyYAML keeps none."""
     fields = [
         ("periodSeconds", probe.period, notes.get("periodSeconds", "")),
         ("timeoutSeconds", probe.timeout, notes.get("timeoutSeconds", "")),
         ("failureThreshold", probe.failures, notes.get("failureThreshold", "")),
         *extra,
     ]
-    lines = [f"{key}:", *_comment(why, "  ")]
-    lines += ["  httpGet:", f"    path: {_path(probe.path)}", f"    port: {port}"]
-    for name, value, note in fields:
-        line = f"  {name}: {value}"
+    data = {"httpGet": {"path": probe.path, "port": port}} | {n: v for n, v, _ in fields}
+    dumped = yaml.safe_dump({key: data}, sort_keys=False, width=1 << 16).splitlines()
+    comments = {f"  {name}: ": note for name, _, note in fields if note}
+    lines = [dumped[0], *_comment(why, "  ")]
+    for line in dumped[1:]:
+        note = next((n for prefix, n in comments.items() if line.startswith(prefix)), "")
         if note and len(line) + 3 + len(note) <= WIDTH:
             line += f"  # {note}"
         elif note:

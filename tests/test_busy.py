@@ -67,8 +67,11 @@ def test_busy_and_advancing_stays_ready_with_no_canary(engine, sidecar):
     fake = engine("vllm", "aggregated")
     side = sidecar(ENV | {"SIDECAR_ENGINE_URL": fake.url})
     side.wait_status(200, 5)
-    fake.fault(latency=6.0)  # one token every 0.5 s for 12 tokens
-    with background_request(fake, 12):
+    # 20 tokens a second for 6 s. (The fake spreads its latency over each request's tokens, so a
+    # canary sent before the sidecar sees the load takes as long: its timeout must be excused by
+    # the other request's progress, which must exceed what the canary itself could move.)
+    fake.fault(latency=6.0)
+    with background_request(fake, 120):
         start = time.time()
         assert watch(side, 5.0) == {200}
         assert canaries_since(fake, start + 0.5) == 0  # a busy engine gets no extra load
