@@ -52,7 +52,9 @@ class Monitor:
         self.progress = progress
         self.metrics_interval = metrics_interval
         self._changed = asyncio.Event()
-        self._sent: dict[str, int] = dict.fromkeys(health.plans, 0)  # canaries sent so far
+        # Canaries sent, and finished, so far: each metrics read notes both.
+        self._sent: dict[str, int] = dict.fromkeys(health.plans, 0)
+        self._done: dict[str, int] = dict.fromkeys(health.plans, 0)
 
     async def run(self) -> None:
         """Run until cancelled. An unexpected error in any loop propagates (and stops the rest)."""
@@ -108,12 +110,13 @@ class Monitor:
             await asyncio.sleep(max(0.0, started + self.registration_interval - loop.time()))
 
     async def _read(self, name: str, spec: ProgressSpec) -> tuple[ProgressSample | None, str]:
-        sent = self._sent[name]
+        done = self._done[name]  # finished before the read began
         text, why = await self.client.metrics_text(spec.path)
         if text is None:
             return None, why
+        sent = self._sent[name]  # started before the read ended
         try:
-            return read_progress(text, spec, self.health.clock(), time.time(), sent), why
+            return read_progress(text, spec, self.health.clock(), time.time(), (sent, done)), why
         except MetricsUnreadable as exc:
             return None, f"GET {spec.path}: {exc}"
 
@@ -169,6 +172,7 @@ class Monitor:
                 end = None
                 if result.outcome is Outcome.TIMEOUT:
                     end, _ = await self._read(name, spec)
+            self._done[name] += 1
             self.health.record_canary(
                 name,
                 result,

@@ -148,8 +148,6 @@ def size(settings: Settings, max_load_seconds: float) -> Sizing:
     )
 
 
-
-
 def _comment(text: str, indent: str = "") -> list[str]:
     prefix = indent + "# "
     return textwrap.wrap(text, WIDTH, initial_indent=prefix, subsequent_indent=prefix)

@@ -112,19 +112,20 @@ def test_busy_and_stalled_is_notready_as_stalled_within_the_window(engine, sidec
         _, body = side.health()
         check = body["checks"]["generate"]
         assert check["stalled"] is True
-        # The stuck request and the canary sent to confirm the suspicion.
-        assert body["reason"].startswith("generate: stalled: 2 requests in flight")
+        # The stuck request (the canary sent to confirm the suspicion is not seen: a hung vLLM
+        # freezes its gauges too).
+        assert body["reason"].startswith("generate: stalled: 1 requests in flight")
         assert "the canary sent to confirm timed out" in body["reason"]
         assert "the engine's own health route still answers 200" in body["reason"]
         assert check["engine_health_agrees"] is False
-        # One canary confirmed the suspicion; it left only after the counters went quiet.
+        # A canary confirmed the suspicion; it left only after the counters went quiet.
         sent = [
             r["time"]
             for r in fake.requests()
             if r["headers"].get("x-request-id", "").startswith("canary-") and r["time"] >= hung_at
         ]
         assert sent
-        assert sent[0] - hung_at >= 1.0
+        assert sent[0] - hung_at >= 0.5
         text = side.metrics()
         assert metric(text, "health_sidecar_engine_stalled", endpoint="generate") == 1
         assert (

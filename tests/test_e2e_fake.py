@@ -75,7 +75,11 @@ def test_role_matrix_detects_and_recovers_from_a_generation_hang(
     hung_at = time.monotonic()
     side.wait_status(503, WAIT + TIMEOUT + 2)
     detect = time.monotonic() - hung_at
-    assert detect <= WAIT + TIMEOUT + 0.5  # one canary, confirmed by the metrics
+    if backend == "vllm":
+        # A hung vLLM freezes every series, so the metrics cannot confirm: two failed canaries.
+        assert detect <= WAIT + TIMEOUT + max(1.0, TIMEOUT) + 0.5
+    else:
+        assert detect <= WAIT + TIMEOUT + 0.5  # one canary, its stuck request confirmed
     assert fake.http.get(f"{fake.url}/health").status_code == 200  # the engine lies
     _, body = side.health()
     assert body["status"] == "notready"

@@ -251,9 +251,12 @@ def test_vllm_metrics_and_wrong_model(vllm: Engine) -> None:
         "vllm:num_requests_running",
         "vllm:num_requests_waiting",
         "vllm:prompt_tokens_total",
-        "vllm:iteration_tokens_total",
+        "vllm:iteration_tokens_total_count",
     ):
         metric_value(text, name)
+    # As a real vLLM counts (tests/test_vllm_real.py): one step for a 4-token request's prefill
+    # and first token, one per further token; the sum is prompt plus generated tokens.
+    assert metric_value(text, "vllm:iteration_tokens_total_count") >= 4
     assert 'model_name="tiny"' in text
     wrong = vllm.post("/v1/completions", completion(model="other"))
     assert wrong.status_code == 404

@@ -36,8 +36,8 @@ class VllmProber(Prober):
         counters={
             PROMPT: series("vllm:prompt_tokens_total"),
             GENERATION: series("vllm:generation_tokens_total"),
-            # A histogram: its _count advances once per engine step, even inside a long
-            # chunked prefill.
+            # A histogram: its _count advances once per engine step that produced tokens (not
+            # inside a chunked prefill: a real vLLM's counters all stand still until it ends).
             STEPS: series("vllm:iteration_tokens_total_count"),
             COMPLETED: series("vllm:request_success_total"),
         },

@@ -67,7 +67,11 @@ class ProgressSample:
     counters: Mapping[str, float]  # category -> summed total, for the categories published
     peer_wait: float | None = None
     found: tuple[str, ...] = ()  # the spec's series present in the exposition
-    canaries: int = 0  # canaries the sidecar had sent when it took this read
+    # The sidecar's own canaries around this read: how many it had sent by its end, and how many
+    # had finished before its start. Between two reads, at most ``later.sent - earlier.done``
+    # ran.
+    canaries_sent: int = 0
+    canaries_done: int = 0
 
     def describe(self) -> str:
         flight = "unknown" if self.in_flight is None else f"{self.in_flight:g}"
@@ -79,7 +83,7 @@ class MetricsUnreadable(ValueError):
 
 
 def read_progress(
-    text: str, spec: ProgressSpec, at: float, wall: float, canaries: int = 0
+    text: str, spec: ProgressSpec, at: float, wall: float, canaries: tuple[int, int] = (0, 0)
 ) -> ProgressSample:
     """Sum the spec's samples in a Prometheus text exposition. Raises MetricsUnreadable."""
     groups: dict[str, tuple[Series, ...]] = {
@@ -109,7 +113,7 @@ def read_progress(
     in_flight = None if running is None and waiting is None else (running or 0.0) + (waiting or 0.0)
     counters = {c: totals[c] for c in CATEGORIES if c in totals}
     return ProgressSample(
-        at, wall, in_flight, counters, totals.get("peer_wait"), tuple(found), canaries
+        at, wall, in_flight, counters, totals.get("peer_wait"), tuple(found), *canaries
     )
 
 
@@ -190,9 +194,8 @@ def on_sample(
 ) -> ProgressState:
     """Apply one read of the engine's metrics (None: it could not be read, ``why`` says why).
 
-    ``own``: what one of the sidecar's canaries moves. Between two reads, the canaries sent
-    meanwhile (and one that may have been in flight at the first) are allowed for: their tokens
-    are not the progress of the work in flight.
+    ``own``: what one of the sidecar's canaries moves. Between two reads, the canaries that may
+    have run meanwhile are allowed for: their tokens are not the progress of the work in flight.
     """
     problem = why if sample is None else unusable(sample, spec)
     if problem is not None:
@@ -200,7 +203,7 @@ def on_sample(
         return replace(state, readable=False, why=problem, latest=None, quiet_since=None)
     assert sample is not None
     previous = state.latest if state.readable else None
-    canaries = sample.canaries - previous.canaries + 1 if previous is not None else 0
+    canaries = sample.canaries_sent - previous.canaries_done if previous is not None else 0
     advanced = _advanced(previous, sample, own or CanaryCost({}), canaries)
     changes: dict[str, object] = {
         "readable": True,

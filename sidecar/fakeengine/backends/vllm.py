@@ -8,7 +8,7 @@ from typing import Any, ClassVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from sidecar.fakeengine.backends.base import Backend, counter, gauge, new_id
 from sidecar.fakeengine.responses import ApiError, json_response, status_type
@@ -33,6 +33,7 @@ class VllmBackend(Backend):
     def __init__(self, state: EngineState) -> None:
         super().__init__(state)
         self.engine_id = new_id()
+        self._frozen: list[Metric] | None = None
 
     def error_body(self, status: int, message: str) -> object:
         return {"error": {"message": message, "type": status_type(status), "code": status}}
@@ -48,6 +49,18 @@ class VllmBackend(Backend):
             "max_model_len": self.max_model_len,
         }
 
+    def progress_families(self, families: list[Metric]) -> list[Metric]:
+        """A hung engine core stops publishing: every vllm:* series freezes, gauges included (a
+        request sent meanwhile shows neither waiting nor running), as a real vLLM does with its
+        EngineCore or Worker stopped."""
+        families = super().progress_families(families)
+        if not self.state.faults.hang_generation:
+            self._frozen = None
+            return families
+        if self._frozen is None:
+            self._frozen = families
+        return self._frozen
+
     def metric_families(self) -> list[Metric]:
         labels = {"model_name": self.config.model}
         s = self.state
@@ -58,12 +71,7 @@ class VllmBackend(Backend):
             self._kv_fetch_by_stage(labels),
             counter("vllm:prompt_tokens", "Prefill tokens processed.", s.prompt_tokens, labels),
             counter("vllm:generation_tokens", "Tokens generated.", s.generated_tokens, labels),
-            counter(
-                "vllm:iteration_tokens",
-                "Tokens processed by engine steps.",
-                s.prompt_tokens + s.generated_tokens,
-                labels,
-            ),
+            self._iteration_tokens(labels),
             counter(
                 "vllm:request_success",
                 "Successfully finished requests.",
@@ -71,6 +79,18 @@ class VllmBackend(Backend):
                 {**labels, "finished_reason": "length"},
             ),
         ]
+
+    def _iteration_tokens(self, labels: dict[str, str]) -> Metric:
+        """A histogram: one observation per engine step that produced tokens (its _count), of
+        the prompt tokens it computed plus the tokens it generated (its _sum)."""
+        family = HistogramMetricFamily(
+            "vllm:iteration_tokens_total", "Tokens per engine step.", labels=list(labels)
+        )
+        s = self.state
+        family.add_metric(
+            list(labels.values()), [("+Inf", float(s.steps))], sum_value=s.iteration_tokens
+        )
+        return family
 
     def _waiting_by_reason(self, labels: dict[str, str]) -> Metric:
         """Waiting requests by why they wait: "deferred" for a KV transfer, else "capacity"."""
