@@ -37,3 +37,39 @@ def test_demo_starts_a_fake_engine_goes_ready_and_ends_it_on_ctrl_c():
             raise AssertionError("the demo left its fake engine running")
     finally:
         demo.stop()
+
+
+def test_demo_honours_the_env_file_and_starts_the_configured_fake_engine(tmp_path):
+    """``health-sidecar --env-file F demo``: the file's backend and role pick the fake engine, and
+    its values win over the demo's defaults (the environment wins over both)."""
+    port = free_port()
+    nothing_there = f"http://{LOOPBACK}:{free_port()}"
+    env_file = tmp_path / "sglang-decode.env"
+    env_file.write_text(
+        "SIDECAR_BACKEND=sglang\n"
+        "SIDECAR_DISAGGREGATION_MODE=decode\n"
+        "DYN_CANARY_WAIT_TIME=7\n"
+        f"SIDECAR_ENGINE_URL={nothing_there}\n"
+    )
+    env = base_env() | {"DYN_SYSTEM_PORT": str(port)}
+    argv = [sys.executable, "-m", "sidecar", "--env-file", str(env_file), "demo"]
+    demo = Proc(argv, env, "demo")
+    try:
+        url = f"http://{LOOPBACK}:{port}"
+
+        def ready() -> bool:
+            assert demo.popen.poll() is None, demo.output()
+            return httpx.get(f"{url}/health", timeout=1, trust_env=False).status_code == 200
+
+        wait_until(ready, 15, what="the demo to be ready")
+        assert "starting the fake sglang engine (decode)" in demo.output()
+        assert "backend=sglang mode=decode" in demo.output()
+        body = httpx.get(f"{url}/health", timeout=1, trust_env=False).json()
+        assert "bootstrap_host" in body["checks"]["generate"]["canary_why"]
+        metrics = httpx.get(f"{url}/metrics", timeout=1, trust_env=False).text
+        assert 'backend="sglang"' in metrics
+        assert 'mode="decode"' in metrics
+        demo.popen.send_signal(signal.SIGINT)
+        assert demo.popen.wait(10) == 0
+    finally:
+        demo.stop()

@@ -1,0 +1,69 @@
+"""One writer, one snapshot: the HTTP answers read the monitor's published state, and a monitor
+that stops publishing is noticed (the verdict is stale) instead of served forever."""
+
+from __future__ import annotations
+
+from fastapi.testclient import TestClient
+
+from sidecar.app import create_app
+from sidecar.canary import plan_canary
+from sidecar.config import load_settings
+from sidecar.evidence.result import Outcome, Result
+from sidecar.health import HEARTBEAT_STALE, Health
+from sidecar.metrics import Metrics
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def ready_health(monkeypatch) -> tuple[Health, Clock, TestClient]:
+    for name in ("DYN_HEALTH_CHECK_ENABLED",):
+        monkeypatch.setenv(name, "true")
+    settings = load_settings()
+    clock = Clock()
+    health = Health(settings, [plan_canary(settings)], clock=clock)
+    ok = Result(Outcome.SUCCESS, "GET /health -> 200", 100.0, 100.01, 1e9, "", 200)
+    health.record_registration("generate", ok)
+    canary = Result(Outcome.SUCCESS, "fine", 100.02, 100.03, 1e9, "canary-1", 200)
+    health.record_canary("generate", canary, health.snapshot.endpoints["generate"].incarnation)
+    app = create_app(settings, health, Metrics(health))
+    return health, clock, TestClient(app)
+
+
+def test_a_fresh_snapshot_serves_the_verdict(monkeypatch):
+    health, clock, client = ready_health(monkeypatch)
+    assert client.get("/health").status_code == 200
+    assert client.get("/sidecar/live").status_code == 200
+    clock.now += HEARTBEAT_STALE - 1
+    health.tick()  # the monitor's heartbeat
+    clock.now += HEARTBEAT_STALE - 1
+    assert client.get("/health").status_code == 200
+
+
+def test_a_stuck_monitor_is_not_served_as_a_verdict(monkeypatch):
+    _, clock, client = ready_health(monkeypatch)
+    clock.now += HEARTBEAT_STALE + 0.5  # no heartbeat since
+    health = client.get("/health")
+    assert health.status_code == 503
+    assert health.json()["rule"] == "stale"
+    assert "the monitor has not run for" in health.json()["reason"]
+    live = client.get("/live")
+    assert live.status_code == 200  # the engine may be fine: restart the sidecar, not it
+    assert live.json()["reason"].startswith("unknown: the monitor has not run")
+    own = client.get("/sidecar/live")
+    assert own.status_code == 503
+    assert own.json()["status"] == "notlive"
+    assert "health_sidecar_ready 0.0" in client.get("/metrics").text
+
+
+def test_draining_is_applied_by_the_writer_and_wins(monkeypatch):
+    health, _, client = ready_health(monkeypatch)
+    health.start_draining()
+    body = client.get("/health").json()
+    assert body["rule"] == "draining"
+    assert client.get("/live").status_code == 200
