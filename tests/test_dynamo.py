@@ -88,4 +88,4 @@ def test_worker_paused_past_its_lease_is_notready_while_dynamo_says_ready(dynamo
     )
     # The same canary passed before in this incarnation: a restart of the worker can fix this.
     side.wait_status(503, 3 + 2, path="/live")
-    assert "hard failure" in side.get("/live").json()["reason"]
+    assert "canary failing hard" in side.get("/live").json()["reason"]

@@ -274,10 +274,14 @@ def test_sidecar_started_before_vllm(spare_vllm, sidecar):
     seen: dict[str, set[Any]] = {"health": set(), "live": set(), "vllm": set()}
 
     def loaded() -> bool:
+        # vLLM first: the sidecar's answers count only while vLLM itself is not serving yet.
+        engine = spare_vllm.health(timeout=1)
+        seen["vllm"].add(engine)
+        if engine == 200:
+            return spare_vllm.running
         seen["health"].add(side.get("/health").status_code)
         seen["live"].add(side.get("/live").status_code)
-        seen["vllm"].add(spare_vllm.health(timeout=1))
-        return spare_vllm.running and spare_vllm.health(timeout=1) == 200
+        return False
 
     wait_until(loaded, 300, interval=0.5, what="vLLM to load")
     assert seen["live"] == {200}, seen
@@ -390,6 +394,125 @@ def test_decode_waits_deferred_on_a_frozen_prefill(vllm_pd_pair):
             assert total(during, name) == total(before, name), name
         assert decode.health() == 200
         assert thread.is_alive()
+    finally:
+        resume(worker)
+    thread.join(120)
+    assert result["answer"].status_code == 200, result["answer"].text
+
+
+# --- busy is not hung, on the real engine ---------------------------------------------------------
+def _load(server: VllmServer, clients: int, tokens: int, stop: threading.Event) -> list[Any]:
+    """``clients`` threads each sending long greedy generations until ``stop``."""
+    answers: list[Any] = []
+
+    def client(i: int) -> None:
+        with httpx.Client(timeout=300, trust_env=False) as http:
+            while not stop.is_set():
+                body = {"model": MODEL, "prompt": prompt_ids(64, offset=i), "max_tokens": tokens}
+                try:
+                    answers.append(
+                        http.post(f"{server.url}/v1/completions", json=body | GREEDY).status_code
+                    )
+                except httpx.HTTPError as exc:
+                    answers.append(type(exc).__name__)
+
+    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(clients)]
+    for t in threads:
+        t.start()
+    return answers
+
+
+def test_busy_holds_ready_and_a_freeze_under_load_is_a_confirmed_stall(vllm_aggregated, sidecar):
+    """Four clients with 400-token generations: /health holds 200 and no canary waits behind the
+    load; the Worker stopped in the middle of it: notready "stalled" within the stall bound."""
+    side = sidecar(sidecar_env(vllm_aggregated))
+    side.wait_status(200, 30)
+    stop = threading.Event()
+    _load(vllm_aggregated, 4, 400, stop)
+    worker = vllm_aggregated.worker_pid()
+    try:
+        wait_until(
+            lambda: (side.health()[1]["checks"]["generate"]["in_flight"] or 0) >= 2,
+            10,
+            what="the load to show in the engine's metrics",
+        )
+        before = sidecar_metric(side, "health_sidecar_canary_total", outcome="timeout")
+        seen = set()
+        deadline = time.monotonic() + 8
+        while time.monotonic() < deadline:
+            seen.add(side.get("/health").status_code)
+            time.sleep(0.05)
+        assert seen == {200}
+        assert sidecar_metric(side, "health_sidecar_canary_total", outcome="timeout") == before
+        pause(worker)
+        frozen_at = time.monotonic()
+        side.wait_status(503, 10)
+        took = time.monotonic() - frozen_at
+        _, body = side.health()
+        print(f"REAL-VLLM stall under load: notready in {took:.2f} s: {body['reason']}")
+        # Timeout 1 s, reads every 1 s, window 3 s: the bound is 3 s (+ scheduling slack).
+        assert took <= 3.5
+        assert body["checks"]["generate"]["stalled"] is True
+        assert "the engine's own health route still answers 200" in body["reason"]
+        assert vllm_aggregated.health() == 200
+        assert side.get("/live").status_code == 200
+    finally:
+        resume(worker)
+        stop.set()
+    side.wait_status(200, 10)
+
+
+# --- a decode worker waiting on its prefill peer --------------------------------------------------
+def test_decode_waiting_on_a_frozen_prefill_stays_ready_and_live(vllm_pd_pair, sidecar):
+    """The prefill peer frozen after computing a prompt: the decode request waits for its KV with
+    no server-side timeout. The decode worker can still serve, so it stays ready and live (its
+    canary passes), and /health says what it waits for."""
+    prefill, decode = vllm_pd_pair
+    side = sidecar(
+        sidecar_env(
+            decode,
+            "decode",
+            DYN_HEALTH_CHECK_REQUEST_TIMEOUT="3",
+            SIDECAR_LIVENESS_WINDOW="6",
+        )
+    )
+    side.wait_status(200, 60)
+    prompt = prompt_ids(300, offset=41)
+    first = prefill.complete(
+        {"model": MODEL, "prompt": prompt, "max_tokens": 1, "kv_transfer_params": REMOTE_DECODE}
+        | GREEDY
+    )
+    assert first.status_code == 200, first.text
+    params = first.json()["kv_transfer_params"]
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "kv_transfer_params": params}
+    result: dict[str, Any] = {}
+    worker = prefill.worker_pid()
+    pause(worker)
+    try:
+        thread = threading.Thread(
+            target=lambda: result.update(answer=decode.complete(body | GREEDY, timeout=120))
+        )
+        thread.start()
+        wait_until(
+            lambda: side.health()[1]["checks"]["generate"]["progress"]["waiting_outside_engine"],
+            20,
+            interval=0.2,
+            what="the sidecar to see the decode request wait outside the engine",
+        )
+        seen: set[int] = set()
+        live: set[int] = set()
+        deadline = time.monotonic() + 12  # two liveness windows and more
+        while time.monotonic() < deadline:
+            seen.add(side.get("/health").status_code)
+            live.add(side.get("/live").status_code)
+            time.sleep(0.1)
+        assert seen == {200}
+        assert live == {200}
+        _, health = side.health()
+        print(f"REAL-VLLM decode waiting on a frozen prefill: {health['reason']}")
+        assert "waiting for a KV transfer from a prefill peer" in health["reason"]
+        assert health["checks"]["generate"]["progress"]["waiting_for_kv_transfer"] == 1
+        assert thread.is_alive()  # the request still waits: nothing on the decode side ends it
     finally:
         resume(worker)
     thread.join(120)
