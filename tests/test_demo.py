@@ -11,19 +11,32 @@ import httpx
 from tests.harness import LOOPBACK, Proc, base_env, free_port, wait_until
 
 
-def test_demo_starts_a_fake_engine_goes_ready_and_ends_it_on_ctrl_c():
+def start_demo(env: dict[str, str], *argv: str) -> tuple[Proc, str]:
+    """``health-sidecar [argv] demo`` on a free port; returns it once /health answers 200."""
     port = free_port()
-    nothing_there = f"http://{LOOPBACK}:{free_port()}"
-    env = base_env() | {"DYN_SYSTEM_PORT": str(port), "SIDECAR_ENGINE_URL": nothing_there}
-    demo = Proc([sys.executable, "-m", "sidecar", "demo"], env, "demo")
+    demo = Proc(
+        [sys.executable, "-m", "sidecar", *argv, "demo"],
+        base_env() | {"DYN_SYSTEM_PORT": str(port)} | env,
+        "demo",
+    )
+    url = f"http://{LOOPBACK}:{port}"
+
+    def ready() -> bool:
+        assert demo.popen.poll() is None, demo.output()
+        return httpx.get(f"{url}/health", timeout=1, trust_env=False).status_code == 200
+
     try:
-        url = f"http://{LOOPBACK}:{port}"
-
-        def ready() -> bool:
-            assert demo.popen.poll() is None, demo.output()
-            return httpx.get(f"{url}/health", timeout=1, trust_env=False).status_code == 200
-
         wait_until(ready, 15, what="the demo to be ready")
+    except BaseException:
+        demo.stop()
+        raise
+    return demo, url
+
+
+def test_demo_starts_a_fake_engine_goes_ready_and_ends_it_on_ctrl_c():
+    nothing_there = f"http://{LOOPBACK}:{free_port()}"
+    demo, url = start_demo({"SIDECAR_ENGINE_URL": nothing_there})
+    try:
         engine = re.search(r"fakeengine listening on (http://\S+)", demo.output())
         assert engine is not None, demo.output()
         assert f"curl -s {url}/health" in demo.output()
@@ -42,7 +55,6 @@ def test_demo_starts_a_fake_engine_goes_ready_and_ends_it_on_ctrl_c():
 def test_demo_honours_the_env_file_and_starts_the_configured_fake_engine(tmp_path):
     """``health-sidecar --env-file F demo``: the file's backend and role pick the fake engine, and
     its values win over the demo's defaults (the environment wins over both)."""
-    port = free_port()
     nothing_there = f"http://{LOOPBACK}:{free_port()}"
     env_file = tmp_path / "sglang-decode.env"
     env_file.write_text(
@@ -51,17 +63,8 @@ def test_demo_honours_the_env_file_and_starts_the_configured_fake_engine(tmp_pat
         "DYN_CANARY_WAIT_TIME=7\n"
         f"SIDECAR_ENGINE_URL={nothing_there}\n"
     )
-    env = base_env() | {"DYN_SYSTEM_PORT": str(port)}
-    argv = [sys.executable, "-m", "sidecar", "--env-file", str(env_file), "demo"]
-    demo = Proc(argv, env, "demo")
+    demo, url = start_demo({}, "--env-file", str(env_file))
     try:
-        url = f"http://{LOOPBACK}:{port}"
-
-        def ready() -> bool:
-            assert demo.popen.poll() is None, demo.output()
-            return httpx.get(f"{url}/health", timeout=1, trust_env=False).status_code == 200
-
-        wait_until(ready, 15, what="the demo to be ready")
         assert "starting the fake sglang engine (decode)" in demo.output()
         assert "backend=sglang mode=decode" in demo.output()
         body = httpx.get(f"{url}/health", timeout=1, trust_env=False).json()
