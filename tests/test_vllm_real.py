@@ -438,15 +438,24 @@ def test_busy_holds_ready_and_a_freeze_under_load_is_a_confirmed_stall(vllm_aggr
         )
         before = sidecar_metric(side, "health_sidecar_canary_total", outcome="timeout")
         seen = set()
+        slowest = 0.0
         deadline = time.monotonic() + 8
         while time.monotonic() < deadline:
-            seen.add(side.get("/health").status_code)
+            # vLLM's engine takes both cores here: allow what a kubelet allows (timeoutSeconds).
+            sent = time.monotonic()
+            seen.add(side.http.get(f"{side.url}/health", timeout=5).status_code)
+            slowest = max(slowest, time.monotonic() - sent)
             time.sleep(0.05)
+        print(f"REAL-VLLM busy: /health statuses {seen}, slowest answer {slowest:.3f} s")
         assert seen == {200}
         assert sidecar_metric(side, "health_sidecar_canary_total", outcome="timeout") == before
         pause(worker)
         frozen_at = time.monotonic()
-        side.wait_status(503, 10)
+        wait_until(
+            lambda: side.http.get(f"{side.url}/health", timeout=5).status_code == 503,
+            10,
+            what="/health -> 503",
+        )
         took = time.monotonic() - frozen_at
         _, body = side.health()
         print(f"REAL-VLLM stall under load: notready in {took:.2f} s: {body['reason']}")
