@@ -419,3 +419,15 @@ def test_gzip_is_undone_within_the_byte_bound():
         _decode(text, "br", 1 << 20)
     assert math.isfinite(read_progress(_decode(gzip.compress(text), "gzip", 1 << 20).decode(),
                                        SPEC, 0.0, 0.0).in_flight or 0)  # fmt: skip
+
+
+def test_one_slow_metrics_read_does_not_make_the_load_unknown():
+    state = on_sample(ProgressState(), sample(0.0, 3, 10.0), "", SPEC)
+    state = on_sample(state, sample(1.0, 3, 20.0), "", SPEC)
+    for _ in range(2):  # late answers of a saturated metrics route
+        state = on_sample(state, None, "GET /metrics: no complete answer within 1 s", SPEC)
+        assert state.readable
+        assert state.busy
+    state = on_sample(state, None, "GET /metrics: no complete answer within 1 s", SPEC)
+    assert not state.readable
+    assert state.why.startswith("GET /metrics")

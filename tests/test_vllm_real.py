@@ -430,25 +430,37 @@ def test_busy_holds_ready_and_a_freeze_under_load_is_a_confirmed_stall(vllm_aggr
     stop = threading.Event()
     _load(vllm_aggregated, 4, 400, stop)
     worker = vllm_aggregated.worker_pid()
+
+    def health() -> dict[str, Any]:
+        # vLLM's engine takes both cores here: allow what a kubelet allows (timeoutSeconds).
+        return side.http.get(f"{side.url}/health", timeout=5).json()
+
     try:
         wait_until(
-            lambda: (side.health()[1]["checks"]["generate"]["in_flight"] or 0) >= 2,
+            lambda: (health()["checks"]["generate"]["in_flight"] or 0) >= 2,
             10,
             what="the load to show in the engine's metrics",
         )
-        before = sidecar_metric(side, "health_sidecar_canary_total", outcome="timeout")
+        sent_before = sidecar_metric(side, "health_sidecar_canary_total")
         seen = set()
         slowest = 0.0
         deadline = time.monotonic() + 8
         while time.monotonic() < deadline:
-            # vLLM's engine takes both cores here: allow what a kubelet allows (timeoutSeconds).
             sent = time.monotonic()
             seen.add(side.http.get(f"{side.url}/health", timeout=5).status_code)
             slowest = max(slowest, time.monotonic() - sent)
             time.sleep(0.05)
-        print(f"REAL-VLLM busy: /health statuses {seen}, slowest answer {slowest:.3f} s")
+        sent = sidecar_metric(side, "health_sidecar_canary_total") - sent_before
+        print(
+            f"REAL-VLLM busy: /health statuses {seen}, slowest answer {slowest:.3f} s, "
+            f"{sent:g} canaries in 8 s"
+        )
+        # On these two cores vLLM's counters stand still for seconds at a time under this load
+        # (gaps of 2.7-7.3 s measured): each quiet spell raises a suspicion that one canary
+        # clears. What must hold: no false 503, no failure counted, not a notready transition.
         assert seen == {200}
-        assert sidecar_metric(side, "health_sidecar_canary_total", outcome="timeout") == before
+        assert health()["checks"]["generate"]["consecutive_failures"] == 0
+        assert sidecar_metric(side, "health_sidecar_endpoint_transitions_total", to="notready") == 0
         pause(worker)
         frozen_at = time.monotonic()
         wait_until(
@@ -457,7 +469,7 @@ def test_busy_holds_ready_and_a_freeze_under_load_is_a_confirmed_stall(vllm_aggr
             what="/health -> 503",
         )
         took = time.monotonic() - frozen_at
-        _, body = side.health()
+        body = health()
         print(f"REAL-VLLM stall under load: notready in {took:.2f} s: {body['reason']}")
         # Timeout 1 s, reads every 1 s, window 3 s: the bound is 3 s (+ scheduling slack).
         assert took <= 3.5

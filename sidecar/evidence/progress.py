@@ -19,6 +19,9 @@ from prometheus_client.parser import text_string_to_metric_families
 # The counter categories a spec may list. Each advances only when the engine computes.
 PROMPT, GENERATION, STEPS, COMPLETED = "prompt", "generation", "steps", "completed"
 CATEGORIES = (PROMPT, GENERATION, STEPS, COMPLETED)
+# Consecutive failed reads after which the load counts as unknown (the first ones keep the last
+# good read: under load an engine's metrics route may answer late once).
+MISSES_TOLERATED = 3
 
 
 @dataclass(frozen=True)
@@ -98,8 +101,13 @@ def read_progress(
             by_name.setdefault(s.name, []).append((group, s))
     totals: dict[str, float] = {}
     found: dict[str, None] = {}
+    # Only the spec's lines go to the parser: an engine's exposition is mostly histograms the
+    # sidecar never reads (vLLM's: 50 KB), and parsing it all, every second, on a CPU the engine
+    # saturates, starved the thread that answers the probes (docs/benchmarks.md).
+    wanted = tuple(by_name)
+    kept = "\n".join(line for line in text.splitlines() if line.startswith(wanted))
     try:
-        for family in text_string_to_metric_families(text):
+        for family in text_string_to_metric_families(kept + "\n"):
             for sample in family.samples:
                 for group, s in by_name.get(sample.name, ()):
                     if s.matches(sample.labels):
@@ -136,6 +144,7 @@ class ProgressState:
     quiet_since: float | None = None  # work in flight and no counter advanced since then
     last_advance_at: float | None = None  # monotonic time of the read that showed an advance
     last_advance_wall: float | None = None
+    missed: int = 0  # consecutive reads that failed since the last good one
 
     @property
     def in_flight(self) -> float | None:
@@ -197,10 +206,14 @@ def on_sample(
     ``own``: what one of the sidecar's canaries moves. Between two reads, the canaries that may
     have run meanwhile are allowed for: their tokens are not the progress of the work in flight.
     """
+    if sample is None and state.readable and state.missed + 1 < MISSES_TOLERATED:
+        # One slow read of a saturated engine's metrics route is not unknown load: the last
+        # read stands (and its quiet time keeps growing).
+        return replace(state, missed=state.missed + 1)
     problem = why if sample is None else unusable(sample, spec)
     if problem is not None:
         # Unknown load: no hold, no suspicion, no excuse; the canary alone decides.
-        return replace(state, readable=False, why=problem, latest=None, quiet_since=None)
+        return replace(state, readable=False, why=problem, latest=None, quiet_since=None, missed=0)
     assert sample is not None
     previous = state.latest if state.readable else None
     canaries = sample.canaries_sent - previous.canaries_done if previous is not None else 0
@@ -209,6 +222,7 @@ def on_sample(
         "readable": True,
         "why": f"reading {', '.join(sample.found)}",
         "latest": sample,
+        "missed": 0,
     }
     if advanced:
         changes |= {"last_advance_at": sample.at, "last_advance_wall": sample.wall}
