@@ -540,3 +540,45 @@ def test_decode_waiting_on_a_frozen_prefill_stays_ready_and_live(vllm_pd_pair, s
         resume(worker)
     thread.join(120)
     assert result["answer"].status_code == 200, result["answer"].text
+
+
+def test_decode_stays_ready_and_live_when_its_prefill_peer_is_killed(vllm_pd_pair, sidecar):
+    """The prefill instance killed between its prefill and the decode's KV pull (the last test of
+    the module: the pair is spent). The decode request fails fast; the decode worker itself is
+    fine, so it stays ready and live: restarting it would fix nothing."""
+    prefill, decode = vllm_pd_pair
+    side = sidecar(
+        sidecar_env(
+            decode, "decode", DYN_HEALTH_CHECK_REQUEST_TIMEOUT="3", SIDECAR_LIVENESS_WINDOW="6"
+        )
+    )
+    side.wait_status(200, 60)
+    prompt = prompt_ids(300, offset=59)
+    first = prefill.complete(
+        {"model": MODEL, "prompt": prompt, "max_tokens": 1, "kv_transfer_params": REMOTE_DECODE}
+        | GREEDY
+    )
+    assert first.status_code == 200, first.text
+    params = first.json()["kv_transfer_params"]
+    assert prefill.proc is not None
+    prefill.proc.kill()  # the whole process group: API server, EngineCore, Worker
+    sent = time.monotonic()
+    answer = decode.complete(
+        {"model": MODEL, "prompt": prompt, "max_tokens": 2, "kv_transfer_params": params} | GREEDY,
+        timeout=120,
+    )
+    took = time.monotonic() - sent
+    seen: set[int] = set()
+    live: set[int] = set()
+    deadline = time.monotonic() + 10  # past the liveness window
+    while time.monotonic() < deadline:
+        seen.add(side.get("/health").status_code)
+        live.add(side.get("/live").status_code)
+        time.sleep(0.1)
+    print(
+        f"REAL-VLLM prefill killed: decode answered {answer.status_code} in {took:.2f} s; "
+        f"sidecar /health {seen}, /live {live}"
+    )
+    assert seen == {200}
+    assert live == {200}
+    assert decode.health() == 200
