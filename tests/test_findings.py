@@ -7,6 +7,7 @@ Timings: wait 1 s, canary timeout 0.5 s, metrics read every 1 s, stall window 2.
 from __future__ import annotations
 
 import contextlib
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -41,13 +42,11 @@ def in_flight(fake: FakeEngine, body: dict, path: str = "/v1/completions") -> It
         with contextlib.suppress(httpx.HTTPError):  # ended by the test or the engine
             client.post(f"{fake.url}{path}", json=body)
 
-    before = fake.http.get(f"{fake.url}/_fake/state").json()
     thread = threading.Thread(target=send, daemon=True)
     thread.start()
 
-    def arrived() -> bool:
-        state = fake.http.get(f"{fake.url}/_fake/state").json()
-        return len(fake.requests()) > 0 and state != before
+    def arrived() -> bool:  # this very request, not a canary
+        return any(r["path"] == path and r["json"] == body for r in fake.requests())
 
     wait_until(arrived, 2, what="the request to reach the engine")
     try:
@@ -114,9 +113,8 @@ PARKED = {
 }
 
 
-# 4 and 10. A decode worker whose request waits for a KV transfer is healthy -----------------------
-def test_4_a_decode_worker_waiting_on_its_prefill_peer_stays_ready_and_live(engine, sidecar):
-    fake = engine("vllm", "decode")
+def decode_sidecar(sidecar, fake: FakeEngine) -> Sidecar:
+    """A ready sidecar watching ``fake`` as a decode worker, with a 3 s liveness window."""
     side = sidecar(
         CANARY_ON
         | {
@@ -126,6 +124,13 @@ def test_4_a_decode_worker_waiting_on_its_prefill_peer_stays_ready_and_live(engi
         }
     )
     side.wait_status(200, 5)
+    return side
+
+
+# 4 and 10. A decode worker whose request waits for a KV transfer is healthy -----------------------
+def test_4_a_decode_worker_waiting_on_its_prefill_peer_stays_ready_and_live(engine, sidecar):
+    fake = engine("vllm", "decode")
+    side = decode_sidecar(sidecar, fake)
     with in_flight(fake, PARKED):
         start = time.time()
         # Past the stall window and two liveness windows: ready and live throughout.
@@ -149,15 +154,7 @@ def test_4_gauges_without_counters_leave_the_decision_to_the_canary(engine, side
     under others. Not readable progress: said once, and the canary alone decides."""
     fake = engine("vllm", "decode")
     fake.fault(hide_counters=True)
-    side = sidecar(
-        CANARY_ON
-        | {
-            "SIDECAR_DISAGGREGATION_MODE": "decode",
-            "SIDECAR_ENGINE_URL": fake.url,
-            "SIDECAR_LIVENESS_WINDOW": "3",
-        }
-    )
-    side.wait_status(200, 5)
+    side = decode_sidecar(sidecar, fake)
 
     def progress() -> dict:
         return side.health()[1]["checks"]["generate"]["progress"]
@@ -231,11 +228,11 @@ def test_7_the_sidecars_own_probe_reads_the_monitors_heartbeat(engine, sidecar):
     answer = side.get("/sidecar/live")
     assert answer.status_code == 200
     assert answer.json()["monitor_heartbeat_age_seconds"] < 2
-    fake.proc.signal(19)  # the engine frozen (SIGSTOP): the sidecar itself stays alive
+    fake.proc.signal(signal.SIGSTOP)  # the engine frozen: the sidecar itself stays alive
     try:
         assert hold(side, 2.0, path="/sidecar/live") == {200}
     finally:
-        fake.proc.signal(18)
+        fake.proc.signal(signal.SIGCONT)
 
 
 def test_7_one_health_body_is_consistent_with_itself(engine, sidecar):
@@ -257,7 +254,9 @@ def test_9_a_slow_health_route_while_the_engine_progresses_does_not_deregister(e
     side.wait_status(200, 5)
     fake.fault(latency=12.0)  # a long generation: counters move, 20 tokens a second
     with in_flight(fake, {"model": "tiny", "prompt": "x", "max_tokens": 240}):
-        time.sleep(1.2)
+        wait_until(  # the sidecar has seen the counters move
+            lambda: side.health()[1]["checks"]["generate"]["last_progress_time"], 3, what="progress"
+        )
         fake.fault(health_latency=0.8)  # its /health answers after the 0.5 s deadline
         assert hold(side, 5.0) == {200}
         _, body = side.health()

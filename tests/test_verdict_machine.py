@@ -8,19 +8,12 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from sidecar.canary.vllm import VllmProber
 from sidecar.endpoint import EndpointState, apply_canary, apply_registration, apply_sample
-from sidecar.evidence.policy import Policy
 from sidecar.evidence.progress import COMPLETED, GENERATION, PROMPT, STEPS, ProgressSample
 from sidecar.evidence.result import Outcome, Result
 from sidecar.verdict import decide_liveness, endpoint_verdict
+from tests.test_verdict import COST, POLICY, SPEC
 
-POLICY = Policy(
-    failure_threshold=2, success_threshold=1, wait=1.0, retry=1.0, timeout=0.5,
-    liveness_window=5.0, stall_window=2.5, metrics_interval=1.0,
-)  # fmt: skip
-SPEC = VllmProber.progress
-COST = VllmProber().cost(1)
 CATEGORIES = (PROMPT, GENERATION, STEPS, COMPLETED)
 REGISTRATION_ANSWERS = [
     (Outcome.SUCCESS, 200),

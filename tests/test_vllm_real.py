@@ -27,13 +27,14 @@ from tests.harness import Sidecar, wait_until
 from tests.vllm_engine import (
     GREEDY,
     MODEL,
-    REMOTE_DECODE,
     VllmServer,
     aggregated_vllm,
+    decode_body,
     metric_names,
     pause,
     pd_pair,
     pd_transfer,
+    prefill_for_decode,
     prompt_ids,
     resume,
     samples,
@@ -362,16 +363,11 @@ def test_decode_waits_deferred_on_a_frozen_prefill(vllm_pd_pair):
     answers its /health and local requests; SIGCONT completes the transfer."""
     prefill, decode = vllm_pd_pair
     prompt = prompt_ids(300, offset=23)
-    first = prefill.complete(
-        {"model": MODEL, "prompt": prompt, "max_tokens": 1, "kv_transfer_params": REMOTE_DECODE}
-        | GREEDY
-    )
-    assert first.status_code == 200, first.text
-    params = first.json()["kv_transfer_params"]
+    params = prefill_for_decode(prefill, prompt)["kv_transfer_params"]
     before = decode.metrics()
     worker = prefill.worker_pid()
     result: dict[str, Any] = {}
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "kv_transfer_params": params}
+    body = decode_body(prompt, params)
 
     def deferred() -> dict[str, float] | None:
         m = decode.metrics()
@@ -386,7 +382,7 @@ def test_decode_waits_deferred_on_a_frozen_prefill(vllm_pd_pair):
     pause(worker)
     try:
         thread = threading.Thread(
-            target=lambda: result.update(answer=decode.complete(body | GREEDY, timeout=120))
+            target=lambda: result.update(answer=decode.complete(body, timeout=120))
         )
         thread.start()
         state = wait_until(deferred, 20, interval=0.1, what="the decode request to wait")
@@ -506,19 +502,14 @@ def test_decode_waiting_on_a_frozen_prefill_stays_ready_and_live(vllm_pd_pair, s
     )
     side.wait_status(200, 60)
     prompt = prompt_ids(300, offset=41)
-    first = prefill.complete(
-        {"model": MODEL, "prompt": prompt, "max_tokens": 1, "kv_transfer_params": REMOTE_DECODE}
-        | GREEDY
-    )
-    assert first.status_code == 200, first.text
-    params = first.json()["kv_transfer_params"]
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "kv_transfer_params": params}
+    params = prefill_for_decode(prefill, prompt)["kv_transfer_params"]
+    body = decode_body(prompt, params)
     result: dict[str, Any] = {}
     worker = prefill.worker_pid()
     pause(worker)
     try:
         thread = threading.Thread(
-            target=lambda: result.update(answer=decode.complete(body | GREEDY, timeout=120))
+            target=lambda: result.update(answer=decode.complete(body, timeout=120))
         )
         thread.start()
         wait_until(
@@ -559,19 +550,11 @@ def test_decode_stays_ready_and_live_when_its_prefill_peer_is_killed(vllm_pd_pai
     )
     side.wait_status(200, 60)
     prompt = prompt_ids(300, offset=59)
-    first = prefill.complete(
-        {"model": MODEL, "prompt": prompt, "max_tokens": 1, "kv_transfer_params": REMOTE_DECODE}
-        | GREEDY
-    )
-    assert first.status_code == 200, first.text
-    params = first.json()["kv_transfer_params"]
+    params = prefill_for_decode(prefill, prompt)["kv_transfer_params"]
     assert prefill.proc is not None
     prefill.proc.kill()  # the whole process group: API server, EngineCore, Worker
     sent = time.monotonic()
-    answer = decode.complete(
-        {"model": MODEL, "prompt": prompt, "max_tokens": 2, "kv_transfer_params": params} | GREEDY,
-        timeout=120,
-    )
+    answer = decode.complete(decode_body(prompt, params), timeout=120)
     took = time.monotonic() - sent
     seen: set[int] = set()
     live: set[int] = set()

@@ -278,6 +278,17 @@ def pd_transfer(
     answer's ``kv_transfer_params`` (block ids, engine id, host and port) go with the same
     prompt to the decode instance, which pulls the KV blocks and decodes. Returns both answers.
     """
+    first = prefill_for_decode(prefill, prompt, timeout)
+    second = decode.complete(decode_body(prompt, first["kv_transfer_params"], max_tokens), timeout)
+    assert second.status_code == 200, second.text
+    return first, second
+
+
+def prefill_for_decode(
+    prefill: VllmServer, prompt: list[int], timeout: float = 30
+) -> dict[str, Any]:
+    """The prefill leg of a handoff: the prompt with ``do_remote_decode``; returns the answer,
+    whose ``kv_transfer_params`` tell a decode instance where to pull the KV blocks from."""
     first = prefill.complete(
         {"model": MODEL, "prompt": prompt, "max_tokens": 1, "kv_transfer_params": REMOTE_DECODE}
         | GREEDY,
@@ -287,13 +298,17 @@ def pd_transfer(
     params = first.json().get("kv_transfer_params")
     assert params, first.text
     assert params.get("do_remote_prefill"), first.text
-    second = decode.complete(
-        {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "kv_transfer_params": params}
-        | GREEDY,
-        timeout=timeout,
-    )
-    assert second.status_code == 200, second.text
-    return first.json(), second.json()
+    return first.json()
+
+
+def decode_body(prompt: list[int], params: dict[str, Any], max_tokens: int = 2) -> dict[str, Any]:
+    """The decode leg of a handoff: the same prompt with the prefill's transfer parameters."""
+    return {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "kv_transfer_params": params,
+    } | GREEDY
 
 
 def pause(pid: int) -> None:

@@ -76,10 +76,6 @@ class ProgressSample:
     canaries_sent: int = 0
     canaries_done: int = 0
 
-    def describe(self) -> str:
-        flight = "unknown" if self.in_flight is None else f"{self.in_flight:g}"
-        return f"{flight} requests in flight"
-
 
 class MetricsUnreadable(ValueError):
     pass
