@@ -281,7 +281,7 @@ def pd_transfer(
     first = prefill_for_decode(prefill, prompt, timeout)
     second = decode.complete(decode_body(prompt, first["kv_transfer_params"], max_tokens), timeout)
     assert second.status_code == 200, second.text
-    return first, second
+    return first, second.json()
 
 
 def prefill_for_decode(
