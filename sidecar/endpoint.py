@@ -21,7 +21,7 @@ from sidecar.evidence.progress import (
     on_sample,
 )
 from sidecar.evidence.registration import RegistrationState, on_registration
-from sidecar.evidence.result import Outcome, Result
+from sidecar.evidence.result import Result
 
 
 @dataclass(frozen=True)
@@ -39,12 +39,12 @@ class EndpointState:
 
 
 def apply_registration(ep: EndpointState, result: Result, policy: Policy) -> EndpointState:
-    last = ep.canary.last
     registration = on_registration(
         ep.registration,
         result,
         progressing=ep.progress.progressing_since(result.started - policy.metrics_interval),
-        canary_just_passed=last is not None and last.outcome is Outcome.SUCCESS,
+        canary_decides=ep.has_canary,
+        threshold=policy.failure_threshold,
     )
     new_incarnation = registration.incarnation != ep.incarnation
     dropped = bool(ep.registration.registered) and not registration.registered
@@ -79,6 +79,7 @@ def apply_canary(
         end.in_flight if end is not None else None,
         suspected,
         ep.progress.quiet_since,
+        result.finished - baseline.at if baseline is not None else 0.0,
     )
     return replace(ep, canary=on_canary(ep.canary, result, policy, evidence))
 
@@ -97,6 +98,8 @@ def canary_due(ep: EndpointState, policy: Policy) -> float | None:
     """When the next canary may leave (monotonic); None while there is nothing to send.
 
     - Not registered, or no canary for this role: nothing.
+    - The health route timed out and no progress excused it: now (slow or frozen, the canary
+      finds out), at most every ``retry``.
     - Work in flight and the counters quiet for ``policy.suspect_after``: a stall is suspected;
       a canary leaves now to confirm or clear it. If one already passed during this quiet spell,
       the engine serves while its requests wait on something outside it (a KV transfer from a
@@ -108,6 +111,11 @@ def canary_due(ep: EndpointState, policy: Policy) -> float | None:
     canary, progress = ep.canary, ep.progress
     if not ep.has_canary or not ep.registration.registered or canary.next_due is None:
         return None
+    if ep.registration.doubt and ep.registration.last is not None:
+        due = min(canary.next_due, ep.registration.last.finished)
+        if canary.last is not None:  # never closer than ``retry`` to the last one
+            due = max(due, canary.last.started + policy.retry)
+        return due
     suspect_at = progress.suspect_at(policy.suspect_after)
     if suspect_at is None:  # idle, or the load is unknown
         return canary.next_due

@@ -25,7 +25,7 @@ from sidecar.endpoint import (
 )
 from sidecar.evidence.policy import Policy
 from sidecar.evidence.progress import CanaryCost, ProgressSample, ProgressSpec
-from sidecar.evidence.result import Result
+from sidecar.evidence.result import Outcome, Result
 from sidecar.verdict import (
     Liveness,
     Readiness,
@@ -172,6 +172,15 @@ class Health:
         if after is before:
             log.debug("%s: dropped the result of a canary sent to an older incarnation", name)
             return
+        if result.outcome is Outcome.TIMEOUT:
+            log.debug(
+                "%s: canary %s timed out; metrics before: %s; after: %s; %s",
+                name,
+                result.request_id,
+                _described(baseline),
+                _described(end),
+                after.canary.reason,
+            )
         if after.canary.stalled and not before.canary.stalled:
             log.warning("%s: engine stalled: %s", name, after.canary.reason)
         self._commit(name, after)
@@ -270,3 +279,9 @@ def liveness_of(snap: Snapshot, now: float) -> Liveness:
         # sidecar's own probe, /sidecar/live, does that).
         return Liveness(True, f"unknown: the monitor has not run for {stale:.1f} s")
     return decide_liveness(snap.endpoints, now, snap.policy.liveness_window)
+
+
+def _described(sample: ProgressSample | None) -> str:
+    if sample is None:
+        return "unread"
+    return f"in flight {sample.in_flight}, counters {dict(sample.counters)}"

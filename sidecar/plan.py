@@ -120,9 +120,9 @@ def render(settings: Settings) -> str:
         f"               before an endpoint's first verdict: {s.starting_health_status} "
         "(DYN_SYSTEM_STARTING_HEALTH_STATUS)",
         f"liveness       fails after {s.liveness_window:g} s on one clock: registration timing "
-        "out, canary failing hard (timeouts, 5xx), or a confirmed stall; never while the engine "
-        "answers its health route with non-200, refuses connections, or rejects a canary that "
-        "never passed (4xx)",
+        "out (a role without a canary), canary failing hard (timeouts, 5xx), or a confirmed "
+        "stall; never while the engine answers its health route with non-200, refuses "
+        "connections, or rejects a canary that never passed (4xx)",
         *_progress_lines(plan, s),
         f"shutdown       on SIGTERM: readiness draining (503), /live 200, until the engine is "
         f"gone or {s.drain_timeout:g} s have passed; then exit 0",

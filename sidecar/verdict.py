@@ -25,8 +25,9 @@ DYN_SYSTEM_USE_ENDPOINT_HEALTH_STATUS, or all), and not draining.
 Liveness (:func:`decide_liveness`): live unless one of these clocks has run for the whole
 liveness window, each started and ended by its own source only:
 
-- registration timing out: the health route accepts connections and does not answer (started by
-  an unexcused timeout; ended by any answer, or by a timeout while the counters advance);
+- registration timing out, for a role without a canary: the health route accepts connections
+  and does not answer (started by an unexcused timeout; ended by any answer, or by a timeout
+  while the counters advance). With a canary, such a timeout sends one, whose clock decides;
 - canary failing hard: timeouts, 5xx, a rejection of a canary that passed before (ended by a
   pass, a failure that is not hard, or a timeout excused by other work's progress);
 - stalled: a stall a canary confirmed (ended as the canary clock).

@@ -172,7 +172,9 @@ def test_sigstop_sigcont_and_kill_restart(engine, sidecar):
     side.wait_status(200, 5)
 
     fake.proc.signal(signal.SIGSTOP)
-    detect = side.wait_status(503, WAIT + TIMEOUT + 1)
+    # Frozen whole: the health check's timeout sends a canary at once; two canary timeouts in
+    # a row (retry 1 s apart) decide.
+    detect = side.wait_status(503, WAIT + TIMEOUT + 1.0 + TIMEOUT + 0.5)
     fake.proc.signal(signal.SIGCONT)
     recover = side.wait_status(200, 3)
     print(f"SIGSTOP detect {detect:.2f} s, SIGCONT recover {recover:.2f} s")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -136,11 +137,15 @@ def test_canary_hysteresis(outcomes, ready):
 @pytest.mark.parametrize(
     ("evidence", "counted", "ready", "stalled"),
     [
-        (TimeoutEvidence(True, 3), False, True, False),  # queued behind progressing work
+        (TimeoutEvidence(True, 3, span=0.5), False, True, False),  # queued behind progress
         (TimeoutEvidence(None), True, True, False),  # metrics unknown: 1 of 2
-        (TimeoutEvidence(False, 0), True, True, False),  # nothing held: 1 of 2
-        (TimeoutEvidence(False, 1), True, False, False),  # held, no progress: hung at once
-        (TimeoutEvidence(False, 2, suspected=True, quiet_since=1.0), True, False, True),
+        # No progress over the canary's life: it was held (the gauges may say 0: vLLM's freeze
+        # with the loop that publishes them): hung at once.
+        (TimeoutEvidence(False, 0, span=0.5), True, False, False),
+        (TimeoutEvidence(False, 1, span=0.5), True, False, False),
+        # The same over a moment (the baseline read answered late): proves nothing, 1 of 2.
+        (TimeoutEvidence(False, 4, span=0.2), True, True, False),
+        (TimeoutEvidence(False, 2, suspected=True, quiet_since=1.0, span=0.5), True, False, True),
     ],
 )
 def test_a_timeout_is_weighed_against_progress(evidence, counted, ready, stalled):
@@ -297,28 +302,50 @@ def test_a_result_from_an_older_incarnation_is_dropped():
 
 # --- the registration source ----------------------------------------------------------------------
 @pytest.mark.parametrize(
-    ("answers", "progressing", "just_passed", "registered", "clock"),
+    ("answers", "progressing", "canary", "registered", "clock", "doubt"),
     [
-        (["success", "refused"], False, True, False, False),  # gone: at once, no clock
-        (["success", "error"], False, True, False, False),  # 503 loading/draining: at once
-        (["success", "timeout"], False, False, False, True),  # frozen
-        (["success", "timeout"], False, True, True, True),  # once after a pass: tolerated
-        (["success", "timeout", "timeout"], False, True, False, True),
-        (["success", "timeout", "timeout"], True, False, True, False),  # slow under load
-        (["success", "timeout", "success"], False, False, True, False),
+        (["success", "refused"], False, True, False, False, False),  # gone: at once, no clock
+        (["success", "error"], False, True, False, False, False),  # 503 loading/draining
+        (["timeout"], False, True, False, False, False),  # never answered: not registered
+        # With a canary: a timeout only sends one; the canary decides.
+        (["success", "timeout"], False, True, True, False, True),
+        (["success", "timeout", "timeout", "timeout"], False, True, True, False, True),
+        (["success", "timeout", "timeout"], True, True, True, False, False),  # slow under load
+        (["success", "timeout", "success"], False, True, True, False, False),
+        # Without one: two unexcused timeouts in a row deregister, and the clock runs.
+        (["success", "timeout"], False, False, True, True, False),
+        (["success", "timeout", "timeout"], False, False, False, True, False),
+        (["success", "timeout", "timeout"], True, False, True, False, False),  # slow under load
+        (["success", "timeout", "success"], False, False, True, False, False),
     ],
 )
-def test_registration(answers, progressing, just_passed, registered, clock):
+def test_registration(answers, progressing, canary, registered, clock, doubt):
     state = RegistrationState()
     for i, name in enumerate(answers):
         state = on_registration(
             state,
             result(Outcome(name), float(i)),
             progressing=progressing,
-            canary_just_passed=just_passed,
+            canary_decides=canary,
+            threshold=POLICY.failure_threshold,
         )
     assert state.registered is registered
     assert (state.timeout_since is not None) is clock
+    assert state.doubt is doubt
+
+
+def test_a_health_route_timeout_sends_a_canary_at_once():
+    policy = replace(POLICY, wait=10.0)
+    ep = registered()
+    ep = apply_canary(ep, result(Outcome.SUCCESS, 0.0), ep.incarnation, policy)
+    assert canary_due(ep, policy) == 10.01
+    ep = apply_registration(ep, result(Outcome.TIMEOUT, 2.0, 0.5), policy)
+    assert ep.registration.registered
+    assert canary_due(ep, policy) == 2.5  # at once: when the check timed out
+    ep = apply_canary(ep, result(Outcome.TIMEOUT, 2.5, 0.5), ep.incarnation, policy)
+    assert canary_due(ep, policy) == 3.5  # then never closer than retry to the last one
+    ep = apply_registration(ep, result(Outcome.SUCCESS, 3.0), policy)
+    assert not ep.registration.doubt
 
 
 def test_a_slow_health_route_under_load_does_not_drop_a_serving_engine():
@@ -358,13 +385,25 @@ def test_liveness_never_fails_while_the_health_route_answers_non_200_or_refuses(
     assert decide_liveness({"generate": ep}, 1000.0, POLICY.liveness_window).live
 
 
-def test_registration_timeouts_have_their_own_clock():
-    ep = registered()
+def test_registration_timeouts_have_their_own_clock_without_a_canary():
+    ep = registered(has_canary=False)
     for t in range(1, 14):
         ep = apply_registration(ep, result(Outcome.TIMEOUT, float(t), 0.5), POLICY)
     got = decide_liveness({"generate": ep}, 14.0, POLICY.liveness_window)
     assert got.live is False
     assert got.cause is Cause.REGISTRATION
+
+
+def test_with_a_canary_a_frozen_server_fails_liveness_on_the_canary_clock():
+    ep = passed(registered())
+    for t in range(1, 14):
+        ep = apply_registration(ep, result(Outcome.TIMEOUT, float(t), 0.5), POLICY)
+        ep = apply_canary(ep, result(Outcome.TIMEOUT, t + 0.5, 0.5), ep.incarnation, POLICY)
+    assert ep.registration.registered
+    assert endpoint_verdict(ep, POLICY, 14.0).ready is False
+    got = decide_liveness({"generate": ep}, 14.0, POLICY.liveness_window)
+    assert got.live is False
+    assert got.cause is Cause.CANARY
 
 
 def test_the_live_reason_quotes_the_current_cause():

@@ -423,7 +423,10 @@ def _load(server: VllmServer, clients: int, tokens: int, stop: threading.Event) 
 def test_busy_holds_ready_and_a_freeze_under_load_is_a_confirmed_stall(vllm_aggregated, sidecar):
     """Four clients with 400-token generations: /health holds 200 and no canary waits behind the
     load; the Worker stopped in the middle of it: notready "stalled" within the stall bound."""
-    side = sidecar(sidecar_env(vllm_aggregated))
+    # Under this load on two cores vLLM's API server answers everything late: a one-token canary
+    # took up to 1.9 s and /metrics 1.1 s (measured). A timeout below that reads load as failure,
+    # so this worker gets Dynamo's default of 3 s, as a production one would.
+    side = sidecar(sidecar_env(vllm_aggregated, DYN_HEALTH_CHECK_REQUEST_TIMEOUT="3"))
     side.wait_status(200, 30)
     stop = threading.Event()
     _load(vllm_aggregated, 4, 400, stop)
@@ -442,12 +445,16 @@ def test_busy_holds_ready_and_a_freeze_under_load_is_a_confirmed_stall(vllm_aggr
             what="the load to show in the engine's metrics",
         )
         sent_before = sidecar_metric(side, "health_sidecar_canary_total")
-        seen = set()
+        seen: set[int] = set()
+        reasons: list[str] = []  # why any answer was not 200: the assertion shows them
         slowest = 0.0
         deadline = time.monotonic() + 8
         while time.monotonic() < deadline:
             sent = time.monotonic()
-            seen.add(side.http.get(f"{side.url}/health", timeout=5).status_code)
+            answer = side.http.get(f"{side.url}/health", timeout=5)
+            seen.add(answer.status_code)
+            if answer.status_code != 200:
+                reasons.append(answer.json()["reason"])
             slowest = max(slowest, time.monotonic() - sent)
             time.sleep(0.05)
         sent = sidecar_metric(side, "health_sidecar_canary_total") - sent_before
@@ -458,7 +465,7 @@ def test_busy_holds_ready_and_a_freeze_under_load_is_a_confirmed_stall(vllm_aggr
         # On these two cores vLLM's counters stand still for seconds at a time under this load
         # (gaps of 2.7-7.3 s measured): each quiet spell raises a suspicion that one canary
         # clears. What must hold: no false 503, no failure counted, not a notready transition.
-        assert seen == {200}
+        assert seen == {200}, reasons
         assert health()["checks"]["generate"]["consecutive_failures"] == 0
         assert sidecar_metric(side, "health_sidecar_endpoint_transitions_total", to="notready") == 0
         pause(worker)
@@ -471,10 +478,10 @@ def test_busy_holds_ready_and_a_freeze_under_load_is_a_confirmed_stall(vllm_aggr
         took = time.monotonic() - frozen_at
         body = health()
         print(f"REAL-VLLM stall under load: notready in {took:.2f} s: {body['reason']}")
-        # Timeout 1 s, reads every 1 s, window 3 s: the stall bound is 3 s. When vLLM's frozen
-        # gauges happen to read 0 in flight the metrics cannot confirm, and two canary timeouts
-        # decide instead: wait + timeout + retry, also 3 s. Either way, with scheduling slack:
-        assert took <= 3.5
+        # Timeout 3 s, reads every 1 s, window 5 s: the stall bound is 5 s. Either a suspicion
+        # canary confirms the stall, or a routine one times out with nothing moving (the frozen
+        # gauges may read 0 in flight: the canary itself is held), whichever leaves first.
+        assert took <= 5.5
         if not body["checks"]["generate"]["stalled"]:
             assert "canary timeout" in body["reason"]
         assert "the engine's own health route still answers 200" in body["reason"]

@@ -7,8 +7,10 @@ counters do. A timeout is weighed against the engine's progress measured around 
 
 - other work progressed meanwhile (beyond what the canary itself could move): the canary queued
   behind load; not counted;
-- the engine holds work and nothing progressed: a hang confirmed by the metrics; notready at
-  once, "stalled" when the canary was sent to confirm a stall suspicion;
+- nothing progressed beyond what the canary could move, over a span the reads are sure to
+  cover of at least half the timeout: the engine held work (the canary, at least) and did not
+  compute; a hang confirmed by the metrics, notready at once, "stalled" when the canary was sent
+  to confirm a stall suspicion;
 - the metrics cannot tell: an ordinary failure.
 """
 
@@ -28,6 +30,10 @@ class TimeoutEvidence:
     in_flight: float | None = None  # requests the engine held at the end
     suspected: bool = False  # sent to confirm a stall suspicion
     quiet_since: float | None = None  # since when work sat without progress
+    # Seconds the two reads are sure to span: from the baseline's answer to the canary's end. A
+    # saturated engine's metrics route can answer late, and counters compared over a moment
+    # prove nothing (vLLM's advance in bursts under load).
+    span: float = 0.0
 
 
 NO_EVIDENCE = TimeoutEvidence(None)
@@ -99,21 +105,25 @@ def on_canary(
     ready = bool(state.ready) and failures < policy.failure_threshold
     reason = f"canary {result.outcome}: {result.reason}"
     stall_since = state.stall_since
-    held = evidence.in_flight
-    if timeout and evidence.foreign_progress is False and held:
-        # The engine holds work and nothing moved since the canary left: a hang, confirmed.
+    # The engine holds at least the canary itself: gauges published by the stuck loop (vLLM's
+    # scheduler) freeze at what they said before, often 0.
+    held = evidence.in_flight or 0.0
+    if timeout and evidence.foreign_progress is False and evidence.span >= policy.timeout / 2:
+        # The engine held work and nothing moved while the canary waited: a hang, confirmed.
         ready = False
         failures = max(failures, policy.failure_threshold)
         if evidence.suspected:
             since = evidence.quiet_since if evidence.quiet_since is not None else result.started
             stall_since = since if stall_since is None else stall_since
             reason = (
-                f"stalled: {held:g} requests in flight and no engine progress for "
+                f"stalled: {max(held, 1):g} requests in flight and no engine progress for "
                 f"{result.finished - since:.1f} s; the canary sent to confirm timed out "
                 f"({result.reason})"
             )
-        else:
+        elif held:
             reason += f", with {held:g} requests in flight and no engine progress since it was sent"
+        else:
+            reason += ", and no engine progress since it was sent"
     elif ready:
         reason += f" ({failures} of {policy.failure_threshold} failures before notready)"
     hard = _hard(result, state.proven)

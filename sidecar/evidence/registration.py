@@ -1,10 +1,11 @@
 """Registration: the engine's own cheap health route (vLLM's /health, SGLang's /v1/models, ...).
 
 It answers "is the engine up with its model loaded", never "does it compute": the canary does
-that. A refusal or a non-200 answer deregisters at once (gone, loading, draining). A timeout is a
-frozen server, unless the engine's counters advanced meanwhile (a health route slow under load is
-load, not death) or it is the first one after a canary passed (one slow answer must not drop a
-worker that served moments ago).
+that. A refusal or a non-200 answer deregisters at once (gone, loading, draining). A timeout is
+ambiguous, slow or frozen: it is load when the engine's counters advanced meanwhile. Otherwise,
+for a role with a canary, it sends a canary at once and the canary decides (on vLLM under load on
+two cores the health route took over a second while the engine computed: deregistering on it was
+a false 503); for a role without one, ``threshold`` timeouts in a row deregister.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ class RegistrationState:
     timeouts: int = 0  # consecutive timeouts
     timeout_since: float | None = None  # liveness clock: an unbroken run of unexcused timeouts
     note: str | None = None  # why the last timeout did not deregister
+    doubt: bool = False  # the last check timed out unexcused: a canary should find out now
 
     @property
     def answers_200(self) -> bool:
@@ -40,12 +42,18 @@ class RegistrationState:
 
 
 def on_registration(
-    state: RegistrationState, result: Result, *, progressing: bool, canary_just_passed: bool
+    state: RegistrationState,
+    result: Result,
+    *,
+    progressing: bool,
+    canary_decides: bool,
+    threshold: int,
 ) -> RegistrationState:
     """Apply one check of the engine's health route.
 
     ``progressing``: the engine's counters advanced since shortly before the check started.
-    ``canary_just_passed``: the last canary of this incarnation passed.
+    ``canary_decides``: the role has a canary, which goes through the same server.
+    ``threshold``: consecutive unexcused timeouts that deregister a role without a canary.
     """
     if result.ok:
         return RegistrationState(
@@ -57,22 +65,39 @@ def on_registration(
         # Gone, loading, draining or broken: deregistered now; not a hang, so no clock.
         return RegistrationState(registered=False, incarnation=state.incarnation, last=result)
     timeouts = state.timeouts + 1
+    if not state.registered:
+        # It never answered in this incarnation: not registered, and not a hang of a server that
+        # served (the startup probe's business).
+        return replace(state, registered=False, last=result, timeouts=timeouts, note=None)
     if progressing:
         return replace(
             state,
             last=result,
             timeouts=timeouts,
             timeout_since=None,
+            doubt=False,
             note="not counted: the engine's counters advance, it is busy",
         )
+    if canary_decides:
+        # Slow or frozen? The canary goes through the same server and finds out (it leaves now);
+        # a health route slow under load must not drop a worker that computes, and a frozen one
+        # fails its canaries, whose clock is the liveness evidence.
+        return replace(
+            state,
+            last=result,
+            timeouts=timeouts,
+            timeout_since=None,
+            doubt=True,
+            note="not counted: a canary finds out whether the engine computes",
+        )
     since = state.timeout_since if state.timeout_since is not None else result.started
-    if state.registered and timeouts == 1 and canary_just_passed:
+    if timeouts < threshold:
         return replace(
             state,
             last=result,
             timeouts=timeouts,
             timeout_since=since,
-            note="one timeout right after a passed canary is tolerated",
+            note=f"{timeouts} of {threshold} timeouts before deregistering",
         )
     return replace(
         state, registered=False, last=result, timeouts=timeouts, timeout_since=since, note=None
