@@ -717,7 +717,7 @@ async def vllm_core_kill(rng: random.Random) -> Rep:
             recovery = now()
             await rig.wait_ready(CAP)
             rep = restarted_results(rig, fault, recovery, before)
-            own_health_row(rep, own, fault, None)
+            own_health_row(rep, own, fault, recovery)
             rep.facts.append(
                 f"vLLM's API server exited {'by itself' if exited else 'NOT within the cap'}; "
                 f"started again, its /health 200 after {server.ready_after:.0f} s"
