@@ -1,8 +1,11 @@
 # health-sidecar: a small image with the sidecar as entrypoint, built in two stages.
 # The builder installs the package and its dependencies (all wheels) into a virtualenv; the final
 # stage copies only that virtualenv onto the same slim base: no compilers, no pip cache, no tests.
+# BASE: any Debian-like image with python (python3-venv); CI, which cannot pull, builds with
+# --build-arg BASE=local/debian-python:<hash>, made by scripts/docker_ci.sh from Debian's packages.
 
-FROM python:3.11.14-slim-bookworm AS builder
+ARG BASE=python:3.11.14-slim-bookworm
+FROM ${BASE} AS builder
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
@@ -11,7 +14,7 @@ COPY pyproject.toml README.md ./
 COPY sidecar ./sidecar
 RUN /opt/venv/bin/pip install --no-cache-dir .
 
-FROM python:3.11.14-slim-bookworm
+FROM ${BASE}
 COPY --from=builder /opt/venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
