@@ -23,7 +23,7 @@ from prometheus_client.registry import Collector
 from sidecar import __version__
 from sidecar.evidence.result import Outcome, Result
 from sidecar.health import Health, Listener, liveness_of, readiness_of
-from sidecar.verdict import engine_disagrees
+from sidecar.verdict import clocks, engine_disagrees
 
 PREFIX = "health_sidecar"
 
@@ -128,8 +128,22 @@ class _VerdictCollector(Collector):
             disagrees.add_metric([name], engine_disagrees(ep))
             if ep.progress.last_advance_wall is not None:
                 last_progress.add_metric([name], ep.progress.last_advance_wall)
+        clock = GaugeMetricFamily(
+            f"{PREFIX}_liveness_clock_seconds",
+            "Seconds a liveness clock has run (absent while none runs); /live fails when one "
+            "reaches the liveness window.",
+            labels=["endpoint", "cause"],
+        )
+        for name, ep in snap.endpoints.items():
+            for cause, since in clocks(ep).items():
+                clock.add_metric([name, str(cause)], max(0.0, now - since))
         yield from (ready, registered, failures, last_success)
-        yield from (in_flight, stalled, readable, disagrees, last_progress)
+        yield from (in_flight, stalled, readable, disagrees, last_progress, clock)
+        yield GaugeMetricFamily(
+            f"{PREFIX}_liveness_window_seconds",
+            "SIDECAR_LIVENESS_WINDOW: how long a liveness clock may run before /live fails.",
+            value=settings.liveness_window,
+        )
         yield GaugeMetricFamily(
             f"{PREFIX}_draining", "1 after SIGTERM, while draining.", value=snap.draining
         )

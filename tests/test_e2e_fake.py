@@ -251,6 +251,7 @@ def test_metrics(engine, sidecar):
     )
     assert stamp is not None
     assert abs(stamp - time.time()) < 5
+    assert "health_sidecar_liveness_clock_seconds{" not in text  # no clock runs while healthy
 
     fake.fault(generation_status=500, generation_error="CUDA error: an illegal memory access")
     side.wait_status(503, WAIT + TIMEOUT + 2)
@@ -259,6 +260,16 @@ def test_metrics(engine, sidecar):
     assert metric(text, "health_sidecar_endpoint_ready", endpoint="generate") == 0
     assert metric(text, "health_sidecar_canary_total", endpoint="generate", outcome="error") >= 2
     assert "illegal memory access" in side.health()[1]["reason"]
+    # A 5xx is a hard failure: its liveness clock runs, and alerts can compare it to the window.
+    clock = metric(
+        text,
+        "health_sidecar_liveness_clock_seconds",
+        cause="canary failing hard",  # the exposition sorts labels
+        endpoint="generate",
+    )
+    assert clock is not None
+    assert 0 < clock < 120
+    assert metric(text, "health_sidecar_liveness_window_seconds") == 120
 
 
 def test_http_contract(engine, sidecar):
