@@ -4,7 +4,8 @@
 #   scripts/docker_ci.sh up     install Docker Engine from Debian's packages when missing, start a
 #                               private dockerd, make the base image; prints the env to use
 #   scripts/docker_ci.sh env    print that env (exit 1 when the daemon is not running)
-#   scripts/docker_ci.sh down   remove its containers, stop the dockerd by its PID, unmount leftovers
+#   scripts/docker_ci.sh down   remove its containers and dangling images, stop the dockerd by its
+#                               PID, unmount leftovers (EXEC_ROOT/netns/default, overlays)
 #
 # Everything lives under ${HEALTH_SIDECAR_CACHE:-$HOME/.cache/health-sidecar}/docker, like the
 # engines of scripts/prepare_engines.sh: the data root (images and build cache survive between
@@ -251,6 +252,9 @@ stop_daemon() {
         local ids
         ids=$("$DOCKER" ps -aq)
         [[ -z $ids ]] || "$DOCKER" rm -f $ids >/dev/null 2>&1 || true
+        # Keep the cache bounded: images a rebuild replaced, and old build cache.
+        "$DOCKER" image prune -f >/dev/null 2>&1 || true
+        "$DOCKER" builder prune -f --keep-storage 1gb >/dev/null 2>&1 || true
     fi
     log "stopping dockerd (pid $pid)"
     kill -TERM "$pid"
