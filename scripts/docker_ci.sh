@@ -116,6 +116,7 @@ start_daemon() {
     if [[ -e /run/containerd/containerd.sock ]]; then
         log "note: a system containerd answers at /run/containerd/containerd.sock; dockerd uses it"
     fi
+    unmount_leftovers # of a daemon that died without `down`
     mkdir -p "$DATA_ROOT" "$EXEC_ROOT"
     [[ -f $D/daemon.json ]] || echo '{}' >"$D/daemon.json"
     rm -f "$SOCK" "$PIDFILE"
