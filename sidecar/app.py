@@ -1,4 +1,4 @@
-"""The HTTP app: /health, /live, /metrics and /sidecar/live, answered from the current snapshot.
+"""The HTTP app: /health, /live, /metrics, /sidecar/live, and the status page (/, /debug/history).
 
 No route waits on the engine, reads a request body or query string, or changes any state. Each
 answer reads ``health.snapshot`` once.
@@ -10,16 +10,20 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import FastAPI
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from sidecar import __version__
 from sidecar.config import Settings
 from sidecar.health import Health
+from sidecar.history import History
 from sidecar.metrics import Metrics
 from sidecar.report import health_body, live_body, sidecar_body
+from sidecar.statuspage import history_body, page
 
 SIDECAR_LIVE_PATH = "/sidecar/live"
+STATUS_PAGE_PATH, HISTORY_PATH = "/", "/debug/history"  # for people; not in the schema
+NO_STORE = {"Cache-Control": "no-store"}
 
 
 def probe_route(
@@ -29,6 +33,7 @@ def probe_route(
     summary: str,
     responses: dict[int | str, dict[str, Any]],
     response_class: type[Response] = JSONResponse,
+    include_in_schema: bool = True,
 ) -> None:
     """GET and HEAD on ``path``, registered apart so each has its own OpenAPI operationId."""
     for method in ("GET", "HEAD"):
@@ -40,10 +45,13 @@ def probe_route(
             responses=responses,
             response_class=response_class,
             operation_id=f"{handler.__name__}_{method.lower()}",
+            include_in_schema=include_in_schema,
         )
 
 
-def create_app(settings: Settings, health: Health, metrics: Metrics) -> FastAPI:
+def create_app(
+    settings: Settings, health: Health, metrics: Metrics, history: History | None = None
+) -> FastAPI:
     app = FastAPI(
         title="health-sidecar",
         version=__version__,
@@ -66,6 +74,16 @@ def create_app(settings: Settings, health: Health, metrics: Metrics) -> FastAPI:
 
     async def prometheus() -> Response:
         return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+    kept = history if history is not None else History()
+
+    async def status_page() -> HTMLResponse:
+        text = page(settings, health.snapshot, kept, health.started, health.clock())
+        return HTMLResponse(text, headers=NO_STORE)
+
+    async def debug_history() -> JSONResponse:
+        body = history_body(health.snapshot, kept, health.started, health.clock())
+        return JSONResponse(body, headers=NO_STORE)
 
     probe_route(
         app,
@@ -105,4 +123,9 @@ def create_app(settings: Settings, health: Health, metrics: Metrics) -> FastAPI:
         {200: {"description": "Prometheus text exposition.", "content": {"text/plain": {}}}},
         response_class=Response,
     )
+    for path, handler, summary, cls in (
+        (STATUS_PAGE_PATH, status_page, "Status page", HTMLResponse),
+        (HISTORY_PATH, debug_history, "Recent canaries and verdict changes", JSONResponse),
+    ):
+        probe_route(app, path, handler, summary, {}, cls, include_in_schema=False)
     return app

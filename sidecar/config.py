@@ -34,6 +34,8 @@ RESERVED_ROUTES = {
     "/metrics": "the metrics route",
     "/openapi.json": "the OpenAPI schema route",
     "/sidecar/live": "the sidecar's own liveness route",
+    "/": "the status page",
+    "/debug/history": "the status page's history route",
 }
 _HOST_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
 _TOKEN = re.compile(r"[\x21-\x7e]+")  # visible ASCII: what an HTTP header value can carry

@@ -65,6 +65,9 @@ class Listener:
     on_canary: Callable[[str, Result], None]
     on_transition: Callable[[str, str], None]
     on_disagreement: Callable[[str], None]
+    # Changes of the worker's verdicts (the history uses them); optional.
+    on_readiness: Callable[[Readiness], None] = lambda _: None
+    on_liveness: Callable[[Liveness], None] = lambda _: None
 
 
 @dataclass(frozen=True)
@@ -256,10 +259,14 @@ class Health:
                 readiness.rule,
                 readiness.reason,
             )
+            for listener in self.listeners:
+                listener.on_readiness(readiness)
         liveness = liveness_of(snap, now)
         if liveness.live != self._last_live:
             self._last_live = liveness.live
             log.warning("worker %s: %s", "live" if liveness.live else "not live", liveness.reason)
+            for listener in self.listeners:
+                listener.on_liveness(liveness)
 
 
 # --- readers: any thread, one snapshot per answer -----------------------------------------------

@@ -27,6 +27,7 @@ from sidecar.canary import CanaryPlan, plan_canary
 from sidecar.config import Settings
 from sidecar.engine import EngineClient
 from sidecar.health import Health
+from sidecar.history import History
 from sidecar.metrics import Metrics
 from sidecar.monitor import Monitor
 
@@ -46,7 +47,10 @@ def build(settings: Settings) -> Parts:
     plan = plan_canary(settings)
     health = Health(settings, [plan])
     metrics = Metrics(health)
-    app = create_app(settings, health, metrics)
+    key = settings.engine_api_key
+    history = History(secrets=[key.get_secret_value()] if key else [])
+    history.listen(health)
+    app = create_app(settings, health, metrics, history)
     registration_path = settings.registration_path or plan.prober.registration_path
     return Parts(plan, health, metrics, app, registration_path)
 
