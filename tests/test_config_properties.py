@@ -362,9 +362,10 @@ def kind_of(name: str) -> Kind | None:
     if base is str and "URL path" in expected:
         # The sidecar's own routes: /metrics is taken; so is the other probe's default (a health
         # path on /live and /openapi.json have their own tests below).
+        page_routes = {"/", "/debug/history"}  # the status page's routes
         taken, unusable = {
-            "DYN_SYSTEM_HEALTH_PATH": ({"/metrics"}, {"/live", "/openapi.json"}),
-            "DYN_SYSTEM_LIVE_PATH": ({"/metrics", "/health"}, {"/openapi.json"}),
+            "DYN_SYSTEM_HEALTH_PATH": ({"/metrics", *page_routes}, {"/live", "/openapi.json"}),
+            "DYN_SYSTEM_LIVE_PATH": ({"/metrics", "/health", *page_routes}, {"/openapi.json"}),
         }.get(name, (set(), set()))
         return Kind(*path_strategies(taken, unusable), parsed=lambda v: v)
     return None
