@@ -13,7 +13,7 @@ import re
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from sidecar.evidence.result import Result
@@ -84,6 +84,7 @@ class View:
     successes_kept: int
     failures_kept: int
     changes_kept: int
+    limits: Mapping[str, int]  # the most each ring keeps: successes, failures, changes
 
 
 class History:
@@ -99,6 +100,7 @@ class History:
         self._successes: deque[Canary] = deque(maxlen=successes)
         self._failures: deque[Canary] = deque(maxlen=failures)
         self._changes: deque[Change] = deque(maxlen=changes)
+        self.limits = {"successes": successes, "failures": failures, "changes": changes}
         self._secrets = tuple(s for s in secrets if s)
         self._wall = wall
 
@@ -157,12 +159,5 @@ class History:
             successes_kept=len(successes),
             failures_kept=len(failures),
             changes_kept=len(changes),
+            limits=dict(self.limits),
         )
-
-    @property
-    def limits(self) -> dict[str, int | None]:
-        return {
-            "successes": self._successes.maxlen,
-            "failures": self._failures.maxlen,
-            "changes": self._changes.maxlen,
-        }

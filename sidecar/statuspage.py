@@ -20,7 +20,7 @@ from sidecar.history import Canary, Change, History, View, scrub
 from sidecar.report import health_body, iso, live_body
 
 # The chart's geometry, in SVG user units.
-WIDTH, HEIGHT = 760, 220
+WIDTH, HEIGHT = 760, 190
 LEFT, RIGHT, TOP, BOTTOM = 56, 12, 12, 30
 OK_COLOUR, FAIL_COLOUR = "#2b8a3e", "#c92a2a"
 REFRESH_SECONDS = 5
@@ -36,7 +36,7 @@ th{background:#f3f3f3}td.num{text-align:right;font-variant-numeric:tabular-nums}
 .ready,.live,.success{color:#2b8a3e;font-weight:600}
 .notready,.notlive,.timeout,.error,.refused,.invalid{color:#c92a2a;font-weight:600}
 .unknown{color:#888;font-weight:600}.muted{color:#666}
-.verdict{font-size:1.3em}code{font-size:.95em}
+.verdict{font-size:1.3em}code{font-size:.95em}td:first-child,td:nth-child(2){white-space:nowrap}
 """
 
 
@@ -167,6 +167,7 @@ def render(
     settings: Settings, snap: Snapshot, view: View, started: float, now: float, wall: float
 ) -> str:
     """The whole page, from one snapshot and one history view."""
+    limits = view.limits
     ready, body = health_body(snap, started, now)
     live, lbody = live_body(snap, started, now)
     status, live_status = body["status"], lbody["status"]
@@ -231,12 +232,12 @@ engine <code>{_e(settings.engine_url)}</code>; page rendered {_e(iso(wall))}</p>
 {endpoints}
 <h2>Canary latency</h2>
 {latency_chart(view.canaries, snap.policy.timeout)}
-<h2>Recent canaries</h2>
-<p class="muted">Newest first; kept: the last {view.successes_kept} successes and the last
-{view.failures_kept} failures.</p>
-{canaries}
 <h2>Verdict changes</h2>
 {changes}
+<h2>Recent canaries</h2>
+<p class="muted">Newest first: {view.successes_kept} successes and {view.failures_kept}
+failures (the last {limits["successes"]} and the last {limits["failures"]} are kept).</p>
+{canaries}
 <p class="muted">{links}</p>
 </body></html>
 """
@@ -258,7 +259,7 @@ def history_body(snap: Snapshot, history: History, started: float, now: float) -
             for name, v in snap.verdicts.items()
         },
         "timeout_seconds": snap.policy.timeout,
-        "limits": history.limits,
+        "limits": view.limits,
         "kept": {
             "successes": view.successes_kept,
             "failures": view.failures_kept,
