@@ -21,6 +21,7 @@ import httpx
 from sidecar import __version__
 from sidecar.canary import CanaryPlan, CanaryRequest
 from sidecar.evidence.result import Outcome, Result
+from sidecar.redact import redact
 
 USER_AGENT = f"health-sidecar/{__version__}"
 ERROR_TEXT_CHARS = 200
@@ -142,7 +143,7 @@ class EngineClient:
     def _redact(self, text: str) -> str:
         """Every reason the sidecar serves or logs comes through here: an engine or gateway that
         echoes the bearer token in its error text must not publish it."""
-        return text.replace(self._secret, "<hidden>") if self._secret else text
+        return redact(text, (self._secret,))
 
     async def _exchange(
         self,

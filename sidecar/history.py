@@ -9,7 +9,6 @@ scrubbed of credentials first (see :func:`scrub`), so nothing secret can be serv
 
 from __future__ import annotations
 
-import re
 import threading
 import time
 from collections import deque
@@ -18,6 +17,7 @@ from dataclasses import dataclass
 
 from sidecar.evidence.result import Result
 from sidecar.health import Health, Listener
+from sidecar.redact import redact
 from sidecar.verdict import Liveness, Readiness
 
 SUCCESSES = 100
@@ -25,22 +25,11 @@ FAILURES = 100
 CHANGES = 50
 MAX_REASON = 500  # characters of a reason kept
 
-# URL userinfo (scheme://user:password@host), an Authorization header value, a bearer token.
-_USERINFO = re.compile(r"(//)[^/@\s]*@")
-_AUTHORIZATION = re.compile(r"(authorization\s*[:=]\s*)\S+(?:\s+\S+)?", re.IGNORECASE)
-_BEARER = re.compile(r"(bearer\s+)\S+", re.IGNORECASE)
-HIDDEN = "<hidden>"
-
 
 def scrub(text: str, secrets: Iterable[str] = ()) -> str:
     """``text`` without the given secrets, URL credentials or Authorization/bearer values, and
     at most MAX_REASON characters long."""
-    for secret in secrets:
-        if secret:
-            text = text.replace(secret, HIDDEN)
-    text = _USERINFO.sub(rf"\1{HIDDEN}@", text)
-    text = _AUTHORIZATION.sub(rf"\1{HIDDEN}", text)
-    text = _BEARER.sub(rf"\1{HIDDEN}", text)
+    text = redact(text, secrets)
     if len(text) > MAX_REASON:
         text = text[: MAX_REASON - 3] + "..."
     return text

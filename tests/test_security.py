@@ -326,6 +326,23 @@ def test_api_key_echoed_by_the_engine_is_not_served(engine, sidecar) -> None:
     assert needle not in side.get("/health").text
 
 
+def test_credentials_echoed_by_a_gateway_are_not_served(engine, sidecar) -> None:
+    """A gateway's error text quoting a URL with user:password or an Authorization header."""
+    fake = engine("vllm")
+    fake.fault(
+        generation_status=502,
+        generation_error="upstream http://svc:s3cr3t-pw@10.0.0.7/v1 said: "
+        "Authorization: Bearer tok-xyz",
+    )
+    side = sidecar(CANARY_ON | {"SIDECAR_ENGINE_URL": fake.url})
+    wait_until(lambda: side.health()[1]["checks"]["generate"]["last_canary"], 3, what="a canary")
+    body = side.get("/health").text
+    assert "upstream http://<hidden>@10.0.0.7" in body  # the reason is still there, redacted
+    for secret in ("s3cr3t-pw", "tok-xyz"):
+        assert secret not in body
+        assert secret not in side.get("/live").text
+
+
 def test_api_key_with_a_control_character_is_not_served(engine, sidecar) -> None:
     key, needle = distinctive_key()
     fake = engine("vllm")
