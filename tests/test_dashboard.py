@@ -173,6 +173,15 @@ def test_configmap_is_valid_kubernetes(tmp_path: Path):
 # --- the dashboard ------------------------------------------------------------------------------
 
 
+def test_the_json_round_trips_through_the_sdk_model(dashboard: dict[str, Any]):
+    """grafana-foundation-sdk's Dashboard model reads the JSON back without losing a field."""
+    from grafana_foundation_sdk.cog.encoder import JSONEncoder
+    from grafana_foundation_sdk.models.dashboard import Dashboard
+
+    model = Dashboard.from_json(dashboard)
+    assert json.loads(json.dumps(model, cls=JSONEncoder)) == dashboard
+
+
 def test_dashboard_identity_and_variables(dashboard: dict[str, Any]):
     assert dashboard["uid"] == "health-sidecar"
     assert dashboard["title"]
