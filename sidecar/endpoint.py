@@ -74,6 +74,16 @@ def apply_canary(
     sent and just after it timed out. Results from an older incarnation are dropped."""
     if incarnation != ep.incarnation or not ep.registration.registered:
         return ep
+    latest = ep.progress.latest
+    if (
+        baseline is None
+        and latest is not None
+        and latest.at >= result.started - policy.metrics_interval
+    ):
+        # A saturated engine's metrics route may answer later than the canary's timeout: the
+        # progress loop's last read stands in, recent enough that progress it shows cannot
+        # predate the canary by more than one interval.
+        baseline = latest
     evidence = TimeoutEvidence(
         foreign_progress(baseline, end, cost or CanaryCost()),
         end.in_flight if end is not None else None,
@@ -98,8 +108,8 @@ def canary_due(ep: EndpointState, policy: Policy) -> float | None:
     """When the next canary may leave (monotonic); None while there is nothing to send.
 
     - Not registered, or no canary for this role: nothing.
-    - The health route timed out and no progress excused it: now (slow or frozen, the canary
-      finds out), at most every ``retry``.
+    - The health route timed out, no progress excused it and no canary passed since: now (slow
+      or frozen, the canary finds out), at most every ``retry``.
     - Work in flight and the counters quiet for ``policy.suspect_after``: a stall is suspected;
       a canary leaves now to confirm or clear it. If one already passed during this quiet spell,
       the engine serves while its requests wait on something outside it (a KV transfer from a
@@ -111,7 +121,8 @@ def canary_due(ep: EndpointState, policy: Policy) -> float | None:
     canary, progress = ep.canary, ep.progress
     if not ep.has_canary or not ep.registration.registered or canary.next_due is None:
         return None
-    if ep.registration.doubt and ep.registration.last is not None:
+    if _in_doubt(ep):
+        assert ep.registration.last is not None
         due = min(canary.next_due, ep.registration.last.finished)
         if canary.last is not None:  # never closer than ``retry`` to the last one
             due = max(due, canary.last.started + policy.retry)
@@ -127,6 +138,14 @@ def canary_due(ep: EndpointState, policy: Policy) -> float | None:
     if canary.last is not None:  # never closer than ``retry`` to the last one
         due = max(due, canary.last.started + policy.retry)
     return due
+
+
+def _in_doubt(ep: EndpointState) -> bool:
+    """The health route timed out unexcused and no canary has passed since it was asked."""
+    last, passed = ep.registration.last, ep.canary.last_pass_at
+    if not ep.registration.doubt or last is None:
+        return False
+    return passed is None or passed < last.started
 
 
 def _passed_while_quiet(ep: EndpointState) -> bool:

@@ -167,13 +167,6 @@ class Monitor:
                     reading.cancel()
                     raise
                 baseline, _ = await reading
-                if baseline is None:
-                    # A saturated engine's metrics route may answer later than the canary's
-                    # timeout: the progress loop's last read stands in if it is recent enough
-                    # that progress it shows cannot predate the canary by more than one interval.
-                    latest = self.health.snapshot.endpoints[name].progress.latest
-                    if latest is not None and latest.at >= result.started - policy.metrics_interval:
-                        baseline = latest
                 # Only evidence about this canary: they count it in flight, so they do not go
                 # into the progress source (whose reads of the engine's own work they would skew).
                 end = None

@@ -348,6 +348,34 @@ def test_a_health_route_timeout_sends_a_canary_at_once():
     assert not ep.registration.doubt
 
 
+def test_a_canary_that_passes_after_a_health_route_timeout_ends_the_doubt():
+    """A health route slow under load keeps timing out; once a canary has passed since, the
+    schedule is the ordinary one again (not a canary every retry)."""
+    policy = replace(POLICY, wait=10.0)
+    ep = registered()
+    ep = apply_canary(ep, result(Outcome.SUCCESS, 0.0), ep.incarnation, policy)
+    ep = apply_registration(ep, result(Outcome.TIMEOUT, 2.0, 0.5), policy)
+    ep = apply_canary(ep, result(Outcome.SUCCESS, 2.5), ep.incarnation, policy)
+    assert ep.registration.doubt
+    assert canary_due(ep, policy) == 12.51  # wait after the pass
+    ep = apply_registration(ep, result(Outcome.TIMEOUT, 3.0, 0.5), policy)
+    assert canary_due(ep, policy) == 3.5  # a new timeout, asked after that pass: doubt again
+
+
+def test_a_recent_progress_read_stands_in_for_a_baseline_read_that_failed():
+    """On a saturated engine the baseline read can miss the timeout; the progress loop's read
+    from just before the canary is evidence enough, an older one is not."""
+    base = passed(registered())
+    base = apply_sample(base, sample(9.6, 4, 100.0), "", SPEC, COST)
+    end = sample(10.6, 4, 100.0)
+    timeout = result(Outcome.TIMEOUT, 10.0, 0.5)
+    ep = apply_canary(base, timeout, base.incarnation, POLICY, end=end, cost=COST)
+    assert ep.canary.ready is False  # nothing moved across the canary: a hang, at once
+    late = result(Outcome.TIMEOUT, 11.0, 0.5)  # that read is now 1.4 s older than the canary
+    ep = apply_canary(base, late, base.incarnation, POLICY, end=end, cost=COST)
+    assert ep.canary.ready is True  # unknown: an ordinary failure, 1 of 2
+
+
 def test_a_slow_health_route_under_load_does_not_drop_a_serving_engine():
     ep = passed(registered())
     ep = apply_sample(ep, sample(0.0, 4, 10.0), "", SPEC)
