@@ -35,6 +35,9 @@ START_TIMEOUT = 300.0  # 50-65 s alone on 2 cores; far more beside a second inst
 ENGINE_CORE = "VLLM::EngineCore"
 WORKER = "VLLM::Worker"
 # Ask for exactly one generated token from a greedy request, whatever the random weights say.
+# The engine's CPU weight against the sidecar and the test (tests.harness.weigh_session): a pod
+# gives each container a CPU cgroup of its own; one cgroup shared here needs the engine niced.
+ENGINE_NICE = 19
 GREEDY = {"temperature": 0, "ignore_eos": True, "stream": False}
 # What vLLM's NIXL connector reads in a prefill request: "keep the KV, a decoder will pull it".
 REMOTE_DECODE = {
@@ -120,7 +123,7 @@ class VllmServer:
         role: str = "aggregated",
         *,
         kv_role: str | None = None,
-        nice: int = 0,
+        nice: int = ENGINE_NICE,
         extra: tuple[str, ...] = (),
         env: dict[str, str] | None = None,
     ) -> None:
@@ -171,8 +174,7 @@ class VllmServer:
         return env | self.extra_env
 
     def argv(self) -> list[str]:
-        argv = ["nice", "-n", str(self.nice)] if self.nice else []
-        argv += [self.paths["VLLM_PYTHON"], "-m", "vllm.entrypoints.openai.api_server"]
+        argv = [self.paths["VLLM_PYTHON"], "-m", "vllm.entrypoints.openai.api_server"]
         argv += ["--model", self.paths["VLLM_MODEL_DIR"], "--served-model-name", MODEL]
         argv += ["--max-model-len", str(MAX_MODEL_LEN), "--dtype", "float32"]
         argv += ["--host", LOOPBACK, "--port", str(self.port)]
@@ -187,7 +189,7 @@ class VllmServer:
 
     def start(self, *, wait: bool = True) -> VllmServer:
         self.started_at = time.monotonic()
-        self.proc = Proc(self.argv(), self.env(), self.name)
+        self.proc = Proc(self.argv(), self.env(), self.name, nice=self.nice)
         if wait:
             self.wait_ready()
         return self
@@ -337,8 +339,8 @@ def pd_pair() -> Iterator[tuple[VllmServer, VllmServer]]:
     """A prefill and a decode instance with NIXL on the CPU, both niced, started together and
     warmed up with one real transfer (the first transfer of a fresh pair may stall for up to
     minutes); stopped on exit."""
-    prefill = VllmServer("prefill", nice=10)
-    decode = VllmServer("decode", nice=10)
+    prefill = VllmServer("prefill")
+    decode = VllmServer("decode")
     try:
         prefill.start(wait=False)
         decode.start(wait=False)
