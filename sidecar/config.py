@@ -337,6 +337,39 @@ class Settings(BaseSettings):
         ge=1024,
         le=64 * 1_048_576,
     )
+    check_answer: bool = _env(
+        "SIDECAR_CANARY_CHECK_ANSWER",
+        False,
+        "Check the canary's answer for correctness: the built-in canary decodes greedily, so a "
+        "healthy engine answers it the same way every time. The first answer after the engine "
+        "registers (or resumes from a pause) becomes the reference; a later answer that differs "
+        "fails the canary as 'wrong answer' (counted like any failure, with "
+        "SIDECAR_FAILURE_THRESHOLD as hysteresis). Catches weights or KV cache gone bad behind "
+        "a 200. Applies to built-in canaries only.",
+        "true or false",
+    )
+    control_port: int | None = _env(
+        "SIDECAR_CONTROL_PORT",
+        None,
+        "Port of the control routes (GET, PUT and DELETE /maintenance), bound to 127.0.0.1 only: "
+        "reachable from the pod's own containers (a training loop updating weights), never from "
+        "the pod network. Unset: no control routes.",
+        "an integer port from 1 to 65535",
+        ge=1,
+        le=65535,
+    )
+    control_token: SecretStr | None = _env(
+        "SIDECAR_CONTROL_TOKEN",
+        None,
+        "When set, the control routes also require 'Authorization: Bearer <token>' (other "
+        "containers of the pod share its loopback). Never logged or served.",
+        "a token",
+    )
+    maintenance_max: float = _seconds(
+        "SIDECAR_MAINTENANCE_MAX",
+        3600.0,
+        "Longest maintenance window the control route accepts; every window ends by itself.",
+    )
     log_level: LogLevel = _env(
         "SIDECAR_LOG_LEVEL",
         LogLevel.INFO,
@@ -416,7 +449,7 @@ class Settings(BaseSettings):
             raise ValueError(problem)
         return value
 
-    @field_validator("engine_api_key", mode="before")
+    @field_validator("engine_api_key", "control_token", mode="before")
     @classmethod
     def _token(cls, value: Any) -> Any:
         if isinstance(value, str) and not _TOKEN.fullmatch(value):
@@ -472,7 +505,7 @@ def expected(field: str) -> str:
 
 
 def _shown(field: str, value: Any) -> str:
-    if field == "engine_api_key":
+    if field in ("engine_api_key", "control_token"):
         return "<hidden>"
     text = value if isinstance(value, str) else json.dumps(value, default=str)
     if field == "engine_url":
@@ -504,6 +537,16 @@ def _cross_checks(s: Settings) -> list[str]:
                 f"{env_name(field)}={path!r}: expected a path not already used by "
                 f"{RESERVED_ROUTES[path]}"
             )
+    if s.control_port is not None and s.control_port == s.system_port:
+        lines.append(
+            f"{env_name('control_port')}={s.control_port}: expected a port other than "
+            f"{env_name('system_port')}'s (the control routes are never served to the pod network)"
+        )
+    if s.control_token is not None and s.control_port is None:
+        lines.append(
+            f"{env_name('control_token')}=<set>: expected {env_name('control_port')} too (the "
+            "token guards the control routes, which are off without a port)"
+        )
     if s.health_path == s.live_path:
         # Blame the variable the user set (both set: the live path).
         field = "health_path" if "live_path" not in s.model_fields_set else "live_path"

@@ -1,16 +1,19 @@
-"""One endpoint: its three evidence sources, and how each observation reaches its source.
+"""One endpoint: its evidence sources, and how each observation reaches its source.
 
 Each ``apply_*`` function hands one observation to the source it belongs to, with the hints the
-source may take from the others (read-only). Only one thing crosses sources: a new incarnation
-of the engine (it restarted, or came back from a freeze) gets fresh canary and progress sources,
-since its counters start again and it proves itself anew.
+source may take from the others (read-only). Two things cross sources: a new incarnation of the
+engine (it restarted, or came back from a freeze) gets fresh canary and progress sources, since
+its counters start again and it proves itself anew; and a pause of its lifecycle (asleep, or in
+a declared maintenance window) ends the canary's evidence, so that it proves itself anew after.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from sidecar.evidence.canary import CanaryState, TimeoutEvidence, on_canary
+from sidecar.evidence import lifecycle
+from sidecar.evidence.canary import CanaryState, TimeoutEvidence, check_answer, on_canary
+from sidecar.evidence.lifecycle import LifecycleState
 from sidecar.evidence.policy import Policy
 from sidecar.evidence.progress import (
     CanaryCost,
@@ -32,6 +35,7 @@ class EndpointState:
     registration: RegistrationState = field(default_factory=RegistrationState)
     canary: CanaryState = field(default_factory=CanaryState)
     progress: ProgressState = field(default_factory=ProgressState)
+    lifecycle: LifecycleState = field(default_factory=LifecycleState)
 
     @property
     def incarnation(self) -> int:
@@ -55,8 +59,29 @@ def apply_registration(ep: EndpointState, result: Result, policy: Policy) -> End
             registration=registration,
             canary=CanaryState(next_due=due),
             progress=ProgressState(),
+            # The sleep state of an engine that left is unknown; a declared window stands.
+            lifecycle=lifecycle.new_incarnation(ep.lifecycle),
         )
     return replace(ep, registration=registration)
+
+
+def apply_lifecycle(ep: EndpointState, after: LifecycleState, at: float) -> EndpointState:
+    """Hand a new lifecycle state over. Pausing drops the canary's evidence (and its clocks);
+    resuming sends a canary at once: the engine proves itself before it is ready again."""
+    before = ep.lifecycle
+    if before.paused == after.paused:
+        return replace(ep, lifecycle=after)
+    if after.paused:
+        canary = CanaryState(reason="paused: no canary is sent")
+    else:
+        canary = CanaryState(next_due=at if ep.registration.registered else None)
+    return replace(ep, lifecycle=after, canary=canary)
+
+
+def judged(ep: EndpointState, result: Result, policy: Policy) -> Result:
+    """The canary's result as the endpoint counts it: a passed canary with the wrong answer
+    fails (SIDECAR_CANARY_CHECK_ANSWER)."""
+    return check_answer(ep.canary, result, policy)
 
 
 def apply_canary(
@@ -74,6 +99,8 @@ def apply_canary(
     sent and just after it timed out. Results from an older incarnation are dropped."""
     if incarnation != ep.incarnation or not ep.registration.registered:
         return ep
+    if ep.lifecycle.paused or result.started < ep.lifecycle.changed_at:
+        return ep  # sent before a pause began or ended: it says nothing about now
     latest = ep.progress.latest
     if (
         baseline is None
@@ -107,7 +134,7 @@ def apply_sample(
 def canary_due(ep: EndpointState, policy: Policy) -> float | None:
     """When the next canary may leave (monotonic); None while there is nothing to send.
 
-    - Not registered, or no canary for this role: nothing.
+    - Not registered, no canary for this role, or paused (asleep, in maintenance): nothing.
     - The health route timed out, no progress excused it and no canary passed since: now (slow
       or frozen, the canary finds out), at most every ``retry``.
     - Work in flight and the counters quiet for ``policy.suspect_after``: a stall is suspected;
@@ -120,6 +147,8 @@ def canary_due(ep: EndpointState, policy: Policy) -> float | None:
     """
     canary, progress = ep.canary, ep.progress
     if not ep.has_canary or not ep.registration.registered or canary.next_due is None:
+        return None
+    if ep.lifecycle.paused:
         return None
     if _in_doubt(ep):
         assert ep.registration.last is not None

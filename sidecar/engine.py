@@ -199,7 +199,9 @@ class EngineClient:
     async def canary(self, plan: CanaryPlan, request: CanaryRequest) -> Result:
         started = self.clock()
 
-        def result(outcome: Outcome, reason: str, status: int | None = None) -> Result:
+        def result(
+            outcome: Outcome, reason: str, status: int | None = None, answer: str | None = None
+        ) -> Result:
             return Result(
                 outcome,
                 self._redact(reason),
@@ -208,6 +210,7 @@ class EngineClient:
                 time.time(),
                 request.request_id,
                 status,
+                answer,
             )
 
         answer = await self._exchange(
@@ -235,7 +238,7 @@ class EngineClient:
         problem = plan.problem(parsed, request.expected_tokens)
         if problem is not None:
             return result(Outcome.INVALID, problem, status)
-        return result(Outcome.SUCCESS, "complete, well-formed answer", status)
+        return result(Outcome.SUCCESS, "complete, well-formed answer", status, plan.answer(parsed))
 
     async def registration(self, path: str) -> Result:
         """Check the engine's own cheapest "up and model loaded" route."""
@@ -262,6 +265,24 @@ class EngineClient:
         if answer.status != 200:
             return None, f"GET {path} -> {answer.status}"
         return answer.body.decode("utf-8", "replace"), f"GET {path} -> 200"
+
+    async def sleep_state(self, path: str) -> tuple[bool | None, str, bool]:
+        """(sleeping, reason, missing): what the engine's sleep route says; sleeping is None
+        without a usable answer, and ``missing`` is True when the route does not exist (404)."""
+        answer = await self._exchange("GET", path)
+        if isinstance(answer, NoAnswer):
+            return None, self._redact(f"GET {path}: {answer.reason}"), False
+        if answer.status == 404:
+            return None, f"GET {path} -> 404: the engine serves no sleep route", True
+        if answer.status != 200:
+            return None, f"GET {path} -> {answer.status}", False
+        try:
+            sleeping = json.loads(answer.body).get("is_sleeping")
+        except (ValueError, AttributeError):
+            sleeping = None
+        if not isinstance(sleeping, bool):
+            return None, f"GET {path}: no is_sleeping in the answer", False
+        return sleeping, f"GET {path} -> is_sleeping {str(sleeping).lower()}", False
 
     async def served_model(self) -> tuple[str | None, str]:
         """(model, reason): the first model GET /v1/models lists, or None and why not."""

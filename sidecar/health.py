@@ -20,9 +20,13 @@ from sidecar.config import Settings, StartingStatus
 from sidecar.endpoint import (
     EndpointState,
     apply_canary,
+    apply_lifecycle,
     apply_registration,
     apply_sample,
+    judged,
 )
+from sidecar.evidence import lifecycle
+from sidecar.evidence.lifecycle import LifecycleState
 from sidecar.evidence.policy import Policy
 from sidecar.evidence.progress import CanaryCost, ProgressSample, ProgressSpec
 from sidecar.evidence.result import Outcome, Result
@@ -55,6 +59,7 @@ def policy_from(settings: Settings) -> Policy:
         liveness_window=settings.liveness_window,
         stall_window=settings.effective_stall_window,
         metrics_interval=settings.metrics_interval,
+        check_answer=settings.check_answer,
     )
 
 
@@ -159,9 +164,10 @@ class Health:
         cost: CanaryCost | None = None,
         suspected: bool = False,
     ) -> None:
+        before = self.snapshot.endpoints[name]
+        result = judged(before, result, self.policy)
         for listener in self.listeners:
             listener.on_canary(name, result)
-        before = self.snapshot.endpoints[name]
         after = apply_canary(
             before,
             result,
@@ -173,7 +179,12 @@ class Health:
             suspected=suspected,
         )
         if after is before:
-            log.debug("%s: dropped the result of a canary sent to an older incarnation", name)
+            log.debug(
+                "%s: dropped the result of canary %s: sent to an older incarnation, or across "
+                "a pause",
+                name,
+                result.request_id,
+            )
             return
         if result.outcome is Outcome.TIMEOUT:
             log.debug(
@@ -210,6 +221,52 @@ class Health:
                     after.progress.why,
                 )
         self._commit(name, after)
+
+    def record_sleep(
+        self, name: str, sleeping: bool | None, why: str, *, gauge: bool, missing: bool = False
+    ) -> None:
+        """What the engine's sleep route (``gauge`` False) or sleep-state gauge said."""
+        before = self.snapshot.endpoints[name]
+        now = self.clock()
+        if gauge:
+            after = lifecycle.on_sleep_gauge(before.lifecycle, sleeping, why, now)
+        else:
+            after = lifecycle.on_sleep_route(before.lifecycle, sleeping, why, now, missing=missing)
+            if missing and not before.lifecycle.sleep_route_missing:
+                log.info("%s: %s; its sleep state is not asked again", name, why)
+        self._pause_change(name, before.lifecycle, after)
+
+    def start_maintenance(self, reason: str, seconds: float) -> None:
+        """Declare (or replace) a maintenance window on every endpoint."""
+        now, wall = self.clock(), time.time()
+        for name, ep in self.snapshot.endpoints.items():
+            after = lifecycle.start_maintenance(ep.lifecycle, reason, seconds, now, wall)
+            if ep.lifecycle.maintenance is not None:
+                log.info("%s: maintenance window replaced: %s", name, after.reason(now))
+            self._pause_change(name, ep.lifecycle, after)
+
+    def end_maintenance(self, why: str) -> None:
+        """End the maintenance window, if one is declared."""
+        now = self.clock()
+        for name, ep in self.snapshot.endpoints.items():
+            if ep.lifecycle.maintenance is not None:
+                after = lifecycle.end_maintenance(ep.lifecycle, now)
+                self._pause_change(name, ep.lifecycle, after, f"maintenance ended: {why}")
+
+    def _pause_change(
+        self, name: str, before: LifecycleState, after: LifecycleState, why: str = ""
+    ) -> None:
+        ep = self.snapshot.endpoints[name]
+        now = self.clock()
+        if before.paused != after.paused:
+            if after.paused:
+                log.info("%s: paused: %s", name, after.reason(now))
+            else:
+                proof = "; a canary proves the engine before it is ready" if ep.has_canary else ""
+                log.info("%s: resumed (%s)%s", name, why or "the engine is awake", proof)
+        elif why:
+            log.info("%s: %s; still paused: %s", name, why, after.reason(now))
+        self._commit(name, apply_lifecycle(ep, after, self.clock()))
 
     def set_model(self, name: str, model: str | None) -> None:
         snap = self.snapshot

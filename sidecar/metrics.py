@@ -137,6 +137,16 @@ class _VerdictCollector(Collector):
         for name, ep in snap.endpoints.items():
             for cause, since in clocks(ep).items():
                 clock.add_metric([name, str(cause)], max(0.0, now - since))
+        paused = GaugeMetricFamily(
+            f"{PREFIX}_endpoint_paused",
+            "1 while the endpoint is paused on purpose: notready, live, no canary (state: "
+            "sleeping, the engine says it sleeps; maintenance, a window was declared).",
+            labels=["endpoint", "state"],
+        )
+        for name, ep in snap.endpoints.items():
+            paused.add_metric([name, "sleeping"], ep.lifecycle.sleeping)
+            paused.add_metric([name, "maintenance"], ep.lifecycle.maintenance is not None)
+        yield paused
         yield from (ready, registered, failures, last_success)
         yield from (in_flight, stalled, readable, disagrees, last_progress, clock)
         yield GaugeMetricFamily(

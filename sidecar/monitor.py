@@ -4,6 +4,9 @@ heartbeat, all owned by one TaskGroup on the monitor's event loop.
 - Registration: GET the engine's own health route every SIDECAR_REGISTRATION_INTERVAL (and learn
   the served model when the canary needs it).
 - Progress: GET the engine's metrics every SIDECAR_METRICS_INTERVAL.
+- Sleep: with the registration check, ask a backend that can sleep whether it sleeps; with the
+  metrics read, read its sleep-state gauge.
+- Maintenance: end a declared window when its time is up.
 - Canary: send one when :func:`sidecar.endpoint.canary_due` says so, wait for its whole answer,
   record it, and only then look at the next: never more than one in flight per endpoint. With
   progress on, the metrics are also read as it leaves and again if it times out: a timeout is
@@ -21,6 +24,7 @@ import uuid
 from sidecar.canary import CanaryPlan
 from sidecar.endpoint import canary_due, suspected
 from sidecar.engine import EngineClient
+from sidecar.evidence.lifecycle import sleeping_in
 from sidecar.evidence.progress import MetricsUnreadable, ProgressSample, ProgressSpec, read_progress
 from sidecar.evidence.result import Outcome, Result
 from sidecar.health import HEARTBEAT_INTERVAL, Health
@@ -60,6 +64,7 @@ class Monitor:
         """Run until cancelled. An unexpected error in any loop propagates (and stops the rest)."""
         async with asyncio.TaskGroup() as group:
             group.create_task(self._heartbeat(), name="heartbeat")
+            group.create_task(self._maintenance_timer(), name="maintenance")
             for name, plan in self.health.plans.items():
                 group.create_task(self._registration_loop(name, plan), name=f"registration:{name}")
                 if plan.enabled:
@@ -73,6 +78,26 @@ class Monitor:
         """Wake the canary loops: the state changed."""
         self._changed.set()
         self._changed = asyncio.Event()
+
+    async def _maintenance_timer(self) -> None:
+        """End a declared maintenance window at its deadline."""
+        while True:
+            changed = self._changed
+            windows = [
+                ep.lifecycle.maintenance
+                for ep in self.health.snapshot.endpoints.values()
+                if ep.lifecycle.maintenance is not None
+            ]
+            if not windows:
+                await wait_event(changed, None)
+                continue
+            first = min(windows, key=lambda m: m.until)
+            delay = first.until - self.health.clock()
+            if delay > 0:
+                await wait_event(changed, delay)
+                continue
+            self.health.end_maintenance(f"its {first.until - first.since:g} s are up")
+            self._changed_now()
 
     async def _heartbeat(self) -> None:
         while True:
@@ -106,19 +131,35 @@ class Monitor:
                         )
                     self.health.set_model(name, model)
             self.health.record_registration(name, result)
+            await self._ask_sleep(name, plan)
             self._changed_now()
             await asyncio.sleep(max(0.0, started + self.registration_interval - loop.time()))
 
+    async def _ask_sleep(self, name: str, plan: CanaryPlan) -> None:
+        path = plan.prober.sleep_path
+        ep = self.health.snapshot.endpoints[name]
+        if path is None or not ep.registration.registered or ep.lifecycle.sleep_route_missing:
+            return
+        sleeping, why, missing = await self.client.sleep_state(path)
+        self.health.record_sleep(name, sleeping, why, gauge=False, missing=missing)
+
     async def _read(self, name: str, spec: ProgressSpec) -> tuple[ProgressSample | None, str]:
+        sample, why, _ = await self._read_text(name, spec)
+        return sample, why
+
+    async def _read_text(
+        self, name: str, spec: ProgressSpec
+    ) -> tuple[ProgressSample | None, str, str | None]:
         done = self._done[name]  # finished before the read began
         text, why = await self.client.metrics_text(spec.path)
         if text is None:
-            return None, why
+            return None, why, None
         sent = self._sent[name]  # started before the read ended
         try:
-            return read_progress(text, spec, self.health.clock(), time.time(), (sent, done)), why
+            sample = read_progress(text, spec, self.health.clock(), time.time(), (sent, done))
         except MetricsUnreadable as exc:
-            return None, f"GET {spec.path}: {exc}"
+            return None, f"GET {spec.path}: {exc}", text
+        return sample, why, text
 
     async def _progress_loop(self, name: str, spec: ProgressSpec) -> None:
         loop = asyncio.get_running_loop()
@@ -126,8 +167,11 @@ class Monitor:
         own = plan.cost(plan.request(None, "cost"))  # what one canary moves
         while True:
             started = loop.time()
-            sample, why = await self._read(name, spec)
+            sample, why, text = await self._read_text(name, spec)
             self.health.record_sample(name, sample, why, spec, own)
+            if text is not None and plan.prober.awake:
+                sleeping, what = sleeping_in(text, plan.prober.awake)
+                self.health.record_sleep(name, sleeping, f"{spec.path}: {what}", gauge=True)
             self._changed_now()
             await asyncio.sleep(max(0.0, started + self.metrics_interval - loop.time()))
 

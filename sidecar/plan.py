@@ -70,6 +70,30 @@ def _progress_lines(plan: CanaryPlan, s: Settings) -> list[str]:
     ]
 
 
+def _lifecycle_lines(plan: CanaryPlan, s: Settings) -> list[str]:
+    prober = plan.prober
+    if prober.sleep_path:
+        gauges = " or ".join(f"{s} at 0" for s in prober.awake)
+        sleep = (
+            f"sleep          GET {prober.sleep_path} with each registration check (a 404: the "
+            "engine serves no sleep route, not asked again)"
+            + (f", and {gauges} in its metrics" if gauges and plan.enabled else "")
+            + ": asleep -> notready 'sleeping', live, no canary"
+        )
+    else:
+        sleep = f"sleep          not detected ({s.backend} has no sleep-state route)"
+    if s.control_port is None:
+        control = "maintenance    no control routes (SIDECAR_CONTROL_PORT unset)"
+    else:
+        guard = "Bearer token (SIDECAR_CONTROL_TOKEN)" if s.control_token else "no token"
+        control = (
+            f"maintenance    PUT/DELETE/GET http://127.0.0.1:{s.control_port}/maintenance "
+            f"(loopback only, {guard}): notready 'maintenance', live, no canary, for at most "
+            f"{s.maintenance_max:g} s; it ends by itself"
+        )
+    return [sleep, control]
+
+
 def render(settings: Settings) -> str:
     plan = plan_canary(settings)
     registration = settings.registration_path or plan.prober.registration_path
@@ -104,6 +128,18 @@ def render(settings: Settings) -> str:
             f"canary; every {s.retry_interval:g} s while failing or unproven; one at a time",
             f"  hysteresis   notready after {s.failure_threshold} consecutive failure(s); ready "
             f"after {s.success_threshold} consecutive pass(es)",
+            "  answer       "
+            + (
+                "checked (SIDECAR_CANARY_CHECK_ANSWER): the first answer after registering or "
+                "resuming is the reference; a different one fails the canary as 'wrong answer'"
+                if s.check_answer and plan.override is None
+                else "not checked (SIDECAR_CANARY_CHECK_ANSWER="
+                + (
+                    "true, but a user payload has no reference answer)"
+                    if s.check_answer
+                    else "false)"
+                )
+            ),
             "  ready when   registered and the canary's verdict is ready",
         ]
     else:
@@ -124,6 +160,7 @@ def render(settings: Settings) -> str:
         "stall; never while the engine answers its health route with non-200, refuses "
         "connections, or rejects a canary that never passed (4xx)",
         *_progress_lines(plan, s),
+        *_lifecycle_lines(plan, s),
         f"shutdown       on SIGTERM: readiness draining (503), /live 200, until the engine is "
         f"gone or {s.drain_timeout:g} s have passed; then exit 0",
         f"serving        http://{s.system_host}:{s.system_port}  {s.health_path} (readiness)  "

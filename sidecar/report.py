@@ -43,6 +43,23 @@ def _progress(ep: EndpointState, snap: Snapshot, now: float) -> dict[str, Any]:
     }
 
 
+def _lifecycle(ep: EndpointState, now: float) -> dict[str, Any]:
+    state = ep.lifecycle
+    window = state.maintenance
+    return {
+        "paused": state.paused,
+        "sleeping": state.sleeping,
+        "sleep_detail": state.sleep_why if state.sleeping else None,
+        "maintenance": None
+        if window is None
+        else {
+            "reason": window.reason,
+            "since": iso(window.since_wall),
+            "ends_in_seconds": round(max(0.0, window.until - now), 3),
+        },
+    }
+
+
 def _check(ep: EndpointState, snap: Snapshot, now: float) -> dict[str, Any]:
     canary, registration, progress = ep.canary, ep.registration, ep.progress
     last = canary.last
@@ -69,6 +86,7 @@ def _check(ep: EndpointState, snap: Snapshot, now: float) -> dict[str, Any]:
         "engine_health_agrees": not engine_disagrees(ep),
         "in_flight": progress.in_flight,
         "progress": _progress(ep, snap, now),
+        "lifecycle": _lifecycle(ep, now),
         "last_progress_time": (
             iso(progress.last_advance_wall) if progress.last_advance_wall is not None else None
         ),

@@ -16,7 +16,7 @@ import contextlib
 import logging
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
 import uvicorn
@@ -25,6 +25,7 @@ from fastapi import FastAPI
 from sidecar.app import create_app
 from sidecar.canary import CanaryPlan, plan_canary
 from sidecar.config import Settings
+from sidecar.control import CONTROL_HOST, create_control_app
 from sidecar.engine import EngineClient
 from sidecar.health import Health
 from sidecar.history import History
@@ -150,6 +151,35 @@ async def serve(settings: Settings) -> int:
     )
     server = _Server(config)
     loop = asyncio.get_running_loop()
+    monitor = MonitorThread(settings, parts)
+
+    async def submit(change: Callable[[], None]) -> None:
+        """Run ``change`` on the monitor's thread (the state's only writer) and wait for it."""
+
+        async def on_monitor() -> None:
+            change()
+
+        await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(on_monitor(), monitor.loop))
+
+    control: _Server | None = None
+    if settings.control_port is not None:
+        control = _Server(
+            uvicorn.Config(
+                create_control_app(settings, parts.health, submit),
+                host=CONTROL_HOST,
+                port=settings.control_port,
+                log_config=None,
+                access_log=False,
+                lifespan="off",
+                server_header=False,
+                timeout_graceful_shutdown=1,
+            )
+        )
+    servers = [server] if control is None else [server, control]
+
+    def exit_all() -> None:
+        for each in servers:
+            each.should_exit = True
 
     drain_task: asyncio.Task[None] | None = None
 
@@ -167,13 +197,13 @@ async def serve(settings: Settings) -> int:
             await asyncio.sleep(DRAIN_POLL)
         else:
             log.info("drain: the engine is gone; exiting")
-        server.should_exit = True
+        exit_all()
 
     def stop(sig: signal.Signals) -> None:
         nonlocal drain_task
         if sig is signal.SIGINT:  # a person at a terminal: stop now
             log.info("received SIGINT: exiting now")
-            server.should_exit = True
+            exit_all()
         elif drain_task is None:
             log.info(
                 "received %s: draining (readiness 503, liveness 200) until the engine is gone, "
@@ -184,12 +214,11 @@ async def serve(settings: Settings) -> int:
             drain_task = loop.create_task(drain(), name="drain")
         else:
             log.info("received SIGTERM again: exiting now")
-            server.should_exit = True
+            exit_all()
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop, sig)
 
-    monitor = MonitorThread(settings, parts)
     parts.metrics.loops.append(monitor.loop)
     log.info(
         "health-sidecar serving http://%s:%d (%s, %s): engine %s, canary %s",
@@ -201,22 +230,37 @@ async def serve(settings: Settings) -> int:
         "on: " + parts.plan.why if parts.plan.enabled else "off: " + parts.plan.why,
     )
 
-    async def http() -> None:
+    if control is not None:
+        log.info(
+            "control routes on http://%s:%d/maintenance (loopback only, %s)",
+            CONTROL_HOST,
+            settings.control_port,
+            "bearer token required" if settings.control_token else "no token",
+        )
+
+    async def http(each: _Server) -> None:
         with contextlib.suppress(SystemExit):  # uvicorn exits this way when it cannot bind
-            await server.serve()
+            await each.serve()
 
     monitor_task = monitor.start()
-    server_task = asyncio.create_task(http(), name="http")
+    server_task = asyncio.create_task(http(server), name="http")
+    control_task = (
+        asyncio.create_task(http(control), name="control") if control is not None else None
+    )
     code = 0
     try:
-        done, _ = await asyncio.wait(
-            {monitor_task, server_task}, return_when=asyncio.FIRST_COMPLETED
-        )
+        watched = {monitor_task, server_task} | ({control_task} if control_task else set())
+        done, _ = await asyncio.wait(watched, return_when=asyncio.FIRST_COMPLETED)
         if monitor_task in done:
             log.critical("the monitor stopped unexpectedly", exc_info=monitor_task.exception())
-            server.should_exit = True
             code = 1
+        elif control_task in done and not server.should_exit:
+            log.critical("the control server stopped (could it bind SIDECAR_CONTROL_PORT?)")
+            code = 1
+        exit_all()
         await server_task
+        if control_task is not None:
+            await control_task
     finally:
         if drain_task is not None:
             drain_task.cancel()
@@ -224,7 +268,7 @@ async def serve(settings: Settings) -> int:
         await monitor.stop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
-    if not server.started:
+    if not all(each.started for each in servers):
         return 1
     return code
 

@@ -7,7 +7,9 @@ One endpoint's verdict (:func:`endpoint_verdict`), as a table:
 registration       canary                  verdict    reason
 =================  ======================  =========  ==========================================
 not checked yet    any                     none       not checked yet
+any                in maintenance          notready   maintenance: <why> (ends in N s)
 not registered     any                     notready   engine not registered: <its answer>
+registered         engine asleep           notready   sleeping (<what the engine said>)
 registered         none for this role      ready      registered; no canary (<why>)
 registered         no result yet           none       registered; waiting for the first canary
 registered         ready                   ready      canary passed ... (+ what the metrics say)
@@ -16,8 +18,10 @@ registered         notready                notready   the canary's reason ("stal
                                                       health route still answers 200" when so
 =================  ======================  =========  ==========================================
 
-"none" counts as DYN_SYSTEM_STARTING_HEALTH_STATUS says. The engine's metrics never appear in
-the verdict column: they only shape the canary's schedule and how a timeout is counted.
+Maintenance and sleep come from the lifecycle source (:mod:`sidecar.evidence.lifecycle`); while
+either holds no canary is sent. "none" counts as DYN_SYSTEM_STARTING_HEALTH_STATUS says. The
+engine's metrics never appear in the verdict column: they only shape the canary's schedule and
+how a timeout is counted.
 
 The worker's readiness (:func:`decide_readiness`): every counted endpoint ready (those listed in
 DYN_SYSTEM_USE_ENDPOINT_HEALTH_STATUS, or all), and not draining.
@@ -33,7 +37,7 @@ liveness window, each started and ended by its own source only:
 - stalled: a stall a canary confirmed (ended as the canary clock).
 
 A refused connection or a non-200 health answer stops every clock: a loading, draining or gone
-engine is never restarted by this sidecar.
+engine is never restarted by this sidecar; nor is a paused one (asleep, or in maintenance).
 """
 
 from __future__ import annotations
@@ -87,8 +91,12 @@ def endpoint_verdict(ep: EndpointState, policy: Policy, now: float) -> Verdict:
     registration, canary = ep.registration, ep.canary
     if registration.registered is None:
         return Verdict(None, "not checked yet")
+    if ep.lifecycle.maintenance is not None:
+        return Verdict(False, ep.lifecycle.reason(now) or "maintenance")
     if not registration.registered:
         return Verdict(False, f"engine not registered: {registration.reason}")
+    if ep.lifecycle.sleeping:
+        return Verdict(False, ep.lifecycle.reason(now) or "sleeping")
     if not ep.has_canary:
         return Verdict(True, f"registered; no canary ({ep.canary_why})")
     if canary.ready is None:
@@ -161,6 +169,8 @@ class Cause(StrEnum):
 def clocks(ep: EndpointState) -> dict[Cause, float]:
     """The liveness clocks running for one endpoint: cause -> monotonic start."""
     running: dict[Cause, float] = {}
+    if ep.lifecycle.paused:
+        return running
     if ep.registration.timeout_since is not None:
         running[Cause.REGISTRATION] = ep.registration.timeout_since
     if ep.registration.registered:

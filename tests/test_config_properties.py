@@ -340,6 +340,22 @@ def kind_of(name: str) -> Kind | None:
             why="keys that cannot be a header value: "
             "test_api_key_that_is_no_header_value_is_rejected",
         ),
+        "SIDECAR_CONTROL_TOKEN": lambda: Kind(
+            None,
+            st.from_regex(r"[A-Za-z0-9\-._~+/]+=*", fullmatch=True),
+            why="tokens that cannot be a header value, and a token without a port: "
+            "test_control_token_is_a_header_value_and_needs_a_port",
+        ),
+        "SIDECAR_CONTROL_PORT": lambda: Kind(
+            st.one_of(
+                st.integers(max_value=0).map(str),
+                st.integers(min_value=65536).map(str),
+                st.just("9090"),  # DYN_SYSTEM_PORT's default: the pod network's port
+                SAFE_NAME.filter(lambda v: not v.isdigit()),
+            ),
+            st.integers(1, 65535).filter(lambda p: p != 9090).map(str),
+            parsed=int,
+        ),
         "SIDECAR_MODEL": lambda: Kind(
             st.text(alphabet=" \t\n\r\x0b\x0c\u00a0\u2003\u3000", min_size=1),
             ANY_TEXT.filter(lambda v: v.strip() != ""),
@@ -417,10 +433,12 @@ def test_valid_value_is_taken_as_given(
     kind = kind_of(name)
     assert kind is not None
     value = data.draw(kind.valid, label=name)
-    loaded = load(monkeypatch, **{name: value})
+    # The control token guards the control routes, which need their port.
+    needs = {"SIDECAR_CONTROL_PORT": "9091"} if name == "SIDECAR_CONTROL_TOKEN" else {}
+    loaded = load(monkeypatch, **{name: value}, **needs)
     key, _ = field_of(name)
     got = getattr(loaded, key)
-    if key == "engine_api_key":
+    if key in ("engine_api_key", "control_token"):
         got = _secret(got)
         assert got == value
     elif kind.parsed is not None:
@@ -470,6 +488,9 @@ SAMPLE_MALFORMED: dict[str, str] = {
     "SIDECAR_SGLANG_BOOTSTRAP_PORT": "8998.5",
     "SIDECAR_MAX_RESPONSE_BYTES": "1023",
     "SIDECAR_LOG_LEVEL": "debug",
+    "SIDECAR_CANARY_CHECK_ANSWER": "maybe",
+    "SIDECAR_CONTROL_PORT": "0",
+    "SIDECAR_MAINTENANCE_MAX": "0",
 }
 
 
@@ -502,7 +523,8 @@ PREFIX = "health-sidecar: configuration error: "
 
 def test_every_malformed_variable_at_once_one_line_each() -> None:
     env = {name: value for name in env_names() if (value := sample_for(name)) is not None}
-    assert len(env) >= len(env_names()) - 2  # all but the host and the API key
+    # All but the host and the two tokens.
+    assert len(env) >= len(env_names()) - 3
     done = cli("--check-config", env=env)
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stdout + done.stderr
@@ -610,3 +632,15 @@ def test_non_ascii_api_key_exits_2_without_traceback() -> None:
     done = cli(env=env)
     assert "Traceback" not in done.stdout + done.stderr, done.stderr[-2000:]
     assert done.returncode == 2, done.stderr[-2000:]
+
+
+def test_control_token_is_a_header_value_and_needs_a_port(monkeypatch: pytest.MonkeyPatch) -> None:
+    line = assert_one_line_naming(monkeypatch, "SIDECAR_CONTROL_TOKEN", "two words")
+    assert "two words" not in line
+    with pytest.raises(ConfigError) as info:
+        load(monkeypatch, SIDECAR_CONTROL_TOKEN="t0ken")
+    assert info.value.lines == [
+        "SIDECAR_CONTROL_TOKEN=<set>: expected SIDECAR_CONTROL_PORT too (the token guards the "
+        "control routes, which are off without a port)"
+    ]
+    assert "t0ken" not in str(info.value.lines)

@@ -13,6 +13,7 @@ from sidecar.evidence.progress import (
     STEPS,
     CanaryCost,
     ProgressSpec,
+    Series,
 )
 
 # Eight ordinary token ids: valid in every real vocabulary, and shorter than one KV block
@@ -66,6 +67,10 @@ class Prober:
     needs_model: ClassVar[bool] = True
     # Where the engine publishes Prometheus metrics, and which samples show work and progress.
     progress: ClassVar[ProgressSpec]
+    # The engine's "are you asleep" route (answers {"is_sleeping": bool}), and the gauge that is
+    # 1 while it is awake (0 asleep) in its metrics; none for a backend that cannot sleep.
+    sleep_path: ClassVar[str | None] = None
+    awake: ClassVar[tuple[Series, ...]] = ()
 
     def skip_reason(self, role: Role) -> str | None:
         """Why this role gets no built-in canary, or None when it gets one."""
@@ -87,6 +92,15 @@ class Prober:
     def problem(self, answer: Any, expected_tokens: int | None) -> str | None:
         """What is wrong with a 200 answer's parsed JSON body, or None when it is well formed."""
         return completion_problem(answer, expected_tokens)
+
+    def answer(self, parsed: Any, role: Role) -> str | None:
+        """What a well-formed answer generated (its text, and token ids where it carries them),
+        for SIDECAR_CANARY_CHECK_ANSWER; None when it cannot be told or is not reproducible."""
+        choice = parsed["choices"][0]
+        text, ids = choice.get("text"), choice.get("token_ids")
+        if not isinstance(text, str):
+            return None
+        return text if ids is None else f"{text} {ids}"
 
     # Prompt tokens one canary may add to the engine's counters (its prompt, plus a BOS token).
     prompt_budget: ClassVar[int] = len(PROMPT_TOKEN_IDS) + 1
@@ -126,6 +140,10 @@ class CanaryPlan:
         if self.override is not None:
             return generic_problem(answer)
         return self.prober.problem(answer, expected_tokens)
+
+    def answer(self, parsed: Any) -> str | None:
+        """A user's payload has no known answer to check."""
+        return None if self.override is not None else self.prober.answer(parsed, self.role)
 
     def cost(self, request: CanaryRequest) -> CanaryCost:
         """A user's payload may move any token counter: only completed requests beyond its own

@@ -66,6 +66,13 @@ class SglangProber(Prober):
             body["bootstrap_room"] = bootstrap_room(request_id)
         return body, tokens
 
+    def answer(self, parsed: Any, role: Role) -> str | None:
+        # A decode canary's fake transfer brings no KV: what it generates is not reproducible.
+        if role.mode is Mode.DECODE:
+            return None
+        text = parsed.get("text")
+        return text if isinstance(text, str) else None
+
     def problem(self, answer: Any, expected_tokens: int | None) -> str | None:
         if not isinstance(answer, dict):
             return "body is not a JSON object"

@@ -45,6 +45,14 @@ class VllmProber(Prober):
         peer_wait=(Series("vllm:num_requests_waiting_by_reason", (("reason", "deferred"),)),),
     )
 
+    # Served with VLLM_SERVER_DEV_MODE=1 (404 without it); a request to a sleeping vLLM is held
+    # until POST /wake_up. The gauge is published either way, one series per state and rank:
+    # awake 1 when awake, 0 when asleep at any level (level 0 sets every state to 0).
+    sleep_path: ClassVar[str | None] = "/is_sleeping"
+    awake: ClassVar[tuple[Series, ...]] = (
+        Series("vllm:engine_sleep_state", (("sleep_state", "awake"),)),
+    )
+
     def skip_reason(self, role: Role) -> str | None:
         if role.mode is Mode.DECODE and role.model_type is ModelType.MULTIMODAL:
             return (

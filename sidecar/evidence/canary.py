@@ -2,8 +2,8 @@
 
 Hysteresis: a ready endpoint turns notready after ``failure_threshold`` counted failures in a
 row, a notready one ready after ``success_threshold`` passes. Every failure other than a timeout
-(a malformed body, a wrong token count, 4xx, 5xx, a refusal) counts, whatever the engine's
-counters do. A timeout is weighed against the engine's progress measured around it:
+(a malformed body, a wrong token count, a wrong answer, 4xx, 5xx, a refusal) counts, whatever the
+engine's counters do. A timeout is weighed against the engine's progress measured around it:
 
 - other work progressed meanwhile (beyond what the canary itself could move): the canary queued
   behind load; not counted;
@@ -54,6 +54,8 @@ class CanaryState:
     last_pass_at: float | None = None  # monotonic
     last_success_wall: float | None = None
     next_due: float | None = None  # monotonic; None: nothing to send
+    # The first passed canary's answer in this incarnation (SIDECAR_CANARY_CHECK_ANSWER).
+    reference: str | None = None
 
     @property
     def stalled(self) -> bool:
@@ -68,6 +70,26 @@ def _hard(result: Result, proven: bool) -> bool:
     return result.outcome is Outcome.TIMEOUT or result.server_error or (result.rejected and proven)
 
 
+def _shown(answer: str) -> str:
+    return repr(answer if len(answer) <= 40 else answer[:37] + "...")
+
+
+def check_answer(state: CanaryState, result: Result, policy: Policy) -> Result:
+    """A passed canary whose answer differs from the first one of this incarnation is a wrong
+    answer: greedy decoding of the same prompt is reproducible on a healthy engine. Counted like
+    any failure (not hard: a restart reloads the same weights)."""
+    if not (policy.check_answer and result.ok and result.answer is not None):
+        return result
+    if state.reference is None or result.answer == state.reference:
+        return result
+    return replace(
+        result,
+        outcome=Outcome.WRONG,
+        reason=f"wrong answer: {_shown(result.answer)}, where this incarnation first answered "
+        f"{_shown(state.reference)}",
+    )
+
+
 def on_canary(
     state: CanaryState, result: Result, policy: Policy, evidence: TimeoutEvidence = NO_EVIDENCE
 ) -> CanaryState:
@@ -78,6 +100,9 @@ def on_canary(
         if not ready:
             reason += f" ({successes} of {policy.success_threshold} passes needed)"
         return CanaryState(
+            reference=state.reference
+            if state.reference is not None or not policy.check_answer
+            else result.answer,
             ready=ready,
             proven=True,
             successes=successes,

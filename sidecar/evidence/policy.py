@@ -15,6 +15,7 @@ class Policy:
     liveness_window: float = 120.0
     stall_window: float = 5.0  # counters stopping under load -> notready, at most this long
     metrics_interval: float = 1.0
+    check_answer: bool = False  # a passed canary must give this incarnation's first answer
 
     @property
     def suspect_after(self) -> float:

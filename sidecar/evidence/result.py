@@ -14,6 +14,9 @@ class Outcome(StrEnum):
     ERROR = "error"  # an HTTP error status, or the connection broke mid-answer
     REFUSED = "refused"  # nothing accepts connections: the engine is gone or not started
     INVALID = "invalid"  # 200, but the body is not a well-formed answer
+    # 200 and well formed, but not the answer this incarnation gave first (greedy decoding of a
+    # fixed prompt is reproducible; SIDECAR_CANARY_CHECK_ANSWER)
+    WRONG = "wrong_answer"
 
 
 @dataclass(frozen=True)
@@ -27,6 +30,7 @@ class Result:
     wall_time: float  # unix seconds at finish
     request_id: str = ""
     status_code: int | None = None
+    answer: str | None = None  # a passed canary's answer (what it generated), when known
 
     @property
     def latency(self) -> float:
