@@ -18,6 +18,7 @@ from typing import Any
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 HOST = "127.0.0.1"
@@ -81,6 +82,22 @@ def metric_value(text: str, name: str) -> float:
     match = re.search(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? (\S+)$", text, re.MULTILINE)
     assert match, f"{name} missing from metrics:\n{text}"
     return float(match.group(1))
+
+
+def sample(text: str, name: str, **labels: str) -> float:
+    """The one sample ``name`` carrying ``labels`` in an exposition parsed by prometheus_client."""
+    found = [
+        s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+    ]
+    assert len(found) == 1, f"{name}{labels}: {found} in metrics:\n{text}"
+    return found[0]
+
+
+def family_types(text: str) -> dict[str, str]:
+    return {family.name: family.type for family in text_string_to_metric_families(text)}
 
 
 def stop_processes(procs: list[subprocess.Popen[bytes]]) -> None:
@@ -629,3 +646,329 @@ def test_request_log(vllm: Engine) -> None:
     assert second["json"] is None
     assert httpx.delete(vllm.url + "/_fake/requests").status_code == 200
     assert vllm.get("/_fake/requests").json() == []
+
+
+# ------------------------------------------------------------------- wrong answers (any backend)
+
+
+def test_wrong_answer_keeps_the_shape_but_changes_the_tokens(vllm: Engine) -> None:
+    body = completion(max_tokens=3, return_token_ids=True)
+    healthy = vllm.post("/v1/completions", body).json()["choices"][0]
+    vllm.fault(wrong_answer=True)
+    for _ in range(2):
+        response = vllm.post("/v1/completions", body)
+        assert response.status_code == 200
+        answer = response.json()
+        assert answer["usage"] == {"prompt_tokens": 8, "completion_tokens": 3, "total_tokens": 11}
+        choice = answer["choices"][0]
+        assert choice["finish_reason"] == "length"
+        assert len(choice["token_ids"]) == 3
+        assert all(a != b for a, b in zip(choice["token_ids"], healthy["token_ids"], strict=True))
+        assert choice["text"].split() != healthy["text"].split()
+        assert len(choice["text"].split()) == 3
+    streamed = vllm.post("/v1/completions", completion(max_tokens=3, stream=True))
+    pieces = [
+        json.loads(line[6:])["choices"][0]["text"]
+        for line in streamed.text.splitlines()
+        if line.startswith("data: {")
+    ]
+    assert "".join(pieces) == choice["text"]
+    vllm.fault(wrong_answer=False)
+    assert vllm.post("/v1/completions", body).json()["choices"][0] == healthy
+
+
+def test_wrong_answers_counts_down_then_answers_right_again(vllm: Engine) -> None:
+    body = completion(max_tokens=2, return_token_ids=True)
+    healthy = vllm.post("/v1/completions", body).json()["choices"][0]["token_ids"]
+    assert vllm.fault(wrong_answers=1)["wrong_answers"] == 1
+    first = vllm.post("/v1/completions", body).json()["choices"][0]["token_ids"]
+    assert first != healthy
+    assert vllm.get("/_fake/fault").json()["wrong_answers"] == 0
+    for _ in range(2):
+        assert vllm.post("/v1/completions", body).json()["choices"][0]["token_ids"] == healthy
+    vllm.fault(wrong_answers=2)
+    answers = [vllm.post("/v1/completions", body).json() for _ in range(3)]
+    tokens = [answer["choices"][0]["token_ids"] for answer in answers]
+    assert tokens[0] != healthy
+    assert tokens[1] != healthy
+    assert tokens[2] == healthy
+    assert {answer["usage"]["completion_tokens"] for answer in answers} == {2}
+    assert vllm.post("/_fake/fault", {"wrong_answers": -1}).status_code == 422
+
+
+def test_wrong_answer_on_sglang_generate(launch: Callable[..., Engine]) -> None:
+    engine = launch("--backend", "sglang")
+    healthy = engine.post("/generate", sglang_generate(max_new_tokens=2)).json()
+    engine.fault(wrong_answers=1)
+    wrong = engine.post("/generate", sglang_generate(max_new_tokens=2)).json()
+    assert wrong["meta_info"] == healthy["meta_info"]
+    assert wrong["output_ids"] != healthy["output_ids"]
+    assert wrong["text"] != healthy["text"]
+    assert engine.post("/generate", sglang_generate(max_new_tokens=2)).json() == healthy
+
+
+# ---------------------------------------------------------------------- vLLM sleep mode
+
+
+def sleep_states(engine: Engine) -> dict[str, float]:
+    text = engine.get("/metrics").text
+    assert family_types(text)["vllm:engine_sleep_state"] == "gauge"
+    return {
+        state: sample(text, "vllm:engine_sleep_state", sleep_state=state, model_name="tiny")
+        for state in ("awake", "weights_offloaded", "discard_all")
+    }
+
+
+AWAKE = {"awake": 1.0, "weights_offloaded": 0.0, "discard_all": 0.0}
+
+
+def test_vllm_sleep_routes_need_dev_mode(vllm: Engine) -> None:
+    assert vllm.post("/sleep?level=1").status_code == 404
+    assert vllm.post("/wake_up").status_code == 404
+    assert vllm.get("/is_sleeping").status_code == 404
+    # The gauge is published all the same, as by a real vLLM.
+    assert sleep_states(vllm) == AWAKE
+    assert vllm.post("/v1/completions", completion()).status_code == 200
+
+
+def test_dev_mode_is_vllm_only() -> None:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    command = [sys.executable, "-m", "sidecar.fakeengine", "--backend", "sglang", "--dev-mode"]
+    refused = subprocess.run(
+        [*command, "--port", "0"], capture_output=True, text=True, env=env, timeout=30
+    )
+    assert refused.returncode == 2
+    assert "--dev-mode (sleep mode) exists only for --backend vllm" in refused.stderr
+
+
+def test_vllm_sleep_holds_requests_until_wake_up(launch: Callable[..., Engine]) -> None:
+    engine = launch("--backend", "vllm", "--dev-mode")
+    healthy = engine.post("/v1/completions", completion(max_tokens=2)).json()["choices"][0]
+    assert engine.get("/is_sleeping").json() == {"is_sleeping": False}
+    assert sleep_states(engine) == AWAKE
+
+    asleep = engine.post("/sleep")
+    assert (asleep.status_code, asleep.json()) == (200, {"status": "sleeping", "level": 1})
+    assert engine.get("/is_sleeping").json() == {"is_sleeping": True}
+    assert sleep_states(engine) == {"awake": 0.0, "weights_offloaded": 1.0, "discard_all": 0.0}
+    assert engine.get("/health").status_code == 200
+    assert engine.get("/v1/models").status_code == 200
+
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        pending = pool.submit(engine.post, "/v1/completions", completion(max_tokens=2))
+        wait_for(lambda: engine.state()["held"] == 1)
+        assert not pending.done()
+        # The paused engine core publishes nothing: a held request is neither waiting nor
+        # running.
+        text = engine.get("/metrics").text
+        assert sample(text, "vllm:num_requests_waiting") == 0
+        assert sample(text, "vllm:num_requests_running") == 0
+        assert engine.get("/health").status_code == 200
+        woken = engine.post("/wake_up")
+        assert woken.status_code == 200
+        assert woken.json()["status"] == "awake"
+        released = pending.result(timeout=5)
+    assert released.status_code == 200
+    assert released.json()["choices"][0]["text"] == healthy["text"]
+    assert released.json()["usage"]["completion_tokens"] == 2
+    assert engine.get("/is_sleeping").json() == {"is_sleeping": False}
+    assert sleep_states(engine) == AWAKE
+
+    deep = engine.post("/sleep?level=2")
+    assert (deep.status_code, deep.json()) == (200, {"status": "sleeping", "level": 2})
+    assert sleep_states(engine) == {"awake": 0.0, "weights_offloaded": 0.0, "discard_all": 1.0}
+    assert engine.post("/wake_up?tags=weights&tags=kv_cache").json()["status"] == "awake"
+    assert sleep_states(engine) == AWAKE
+    # Level 0 only pauses the scheduler: asleep, yet no series of the gauge says so.
+    assert engine.post("/sleep?level=0").json() == {"status": "sleeping", "level": 0}
+    assert engine.get("/is_sleeping").json() == {"is_sleeping": True}
+    assert sleep_states(engine) == {"awake": 0.0, "weights_offloaded": 0.0, "discard_all": 0.0}
+    assert engine.post("/wake_up").json()["status"] == "awake"
+    for bad in ("/sleep?level=3", "/sleep?level=x", "/sleep?mode=later"):
+        rejected = engine.post(bad)
+        assert rejected.status_code == 400, bad
+        assert rejected.json()["error"]["code"] == 400
+    assert engine.get("/is_sleeping").json() == {"is_sleeping": False}
+
+
+def test_vllm_sleep_modes_for_requests_in_flight(launch: Callable[..., Engine]) -> None:
+    engine = launch("--backend", "vllm", "--dev-mode")
+    engine.fault(latency=3.0)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        pending = pool.submit(engine.post, "/v1/completions", completion(max_tokens=30))
+        wait_for(lambda: engine.state()["running"] == 1)
+        # mode "abort" (the default): the request in flight ends at once.
+        assert engine.post("/sleep?level=1").status_code == 200
+        aborted = pending.result(timeout=5)
+    assert aborted.status_code == 200
+    choice = aborted.json()["choices"][0]
+    assert choice["finish_reason"] == "abort"
+    assert aborted.json()["usage"]["completion_tokens"] < 30
+    text = engine.get("/metrics").text
+    assert sample(text, "vllm:request_success_total", finished_reason="abort") == 1
+    assert sample(text, "vllm:request_success_total", finished_reason="length") == 0
+    engine.post("/wake_up")
+
+    # mode "wait": the sleep answers once the request in flight has finished normally.
+    engine.fault(latency=0.3)
+    before = engine.state()["generated_tokens"]
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        pending = pool.submit(engine.post, "/v1/completions", completion(max_tokens=3))
+        wait_for(lambda: engine.state()["running"] == 1)
+        assert engine.post("/sleep?mode=wait").json() == {"status": "sleeping", "level": 1}
+        state = engine.state()
+        assert (state["running"], state["generated_tokens"]) == (0, before + 3)
+        finished = pending.result(timeout=5)
+    assert finished.json()["choices"][0]["finish_reason"] == "length"
+    assert finished.json()["usage"]["completion_tokens"] == 3
+    engine.post("/wake_up")
+
+
+# ------------------------------------------------------------------------ vLLM NIXL transfers
+
+
+NIXL_COUNTERS = (
+    "vllm:nixl_num_failed_transfers",
+    "vllm:nixl_num_failed_notifications",
+    "vllm:nixl_num_kv_expired_reqs",
+)
+HANDSHAKE_TIMEOUT = 0.4
+
+
+def nixl_counts(engine: Engine) -> dict[str, float]:
+    text = engine.get("/metrics").text
+    return {name: sample(text, name + "_total") for name in NIXL_COUNTERS} | {
+        "error": sample(text, "vllm:request_success_total", finished_reason="error")
+    }
+
+
+def kv_fetch(engine: Engine) -> dict[str, float]:
+    text = engine.get("/metrics").text
+    counts = {
+        stage: sample(text, "vllm:num_requests_kv_fetch_by_stage", stage=stage)
+        for stage in ("waiting_to_start", "in_progress", "completed_waiting")
+    }
+    return counts | {
+        "waiting": sample(text, "vllm:num_requests_waiting"),
+        "deferred": sample(text, "vllm:num_requests_waiting_by_reason", reason="deferred"),
+        "running": sample(text, "vllm:num_requests_running"),
+    }
+
+
+def decode_leg(max_tokens: int = 2) -> dict[str, Any]:
+    params = {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_block_ids": [0],
+        "remote_engine_id": "prefill-engine",
+        "remote_request_id": "r-1",
+        "remote_host": HOST,
+        "remote_port": 5600,
+    }
+    return completion(max_tokens=max_tokens, kv_transfer_params=params)
+
+
+@pytest.fixture(scope="module")
+def shared_decode(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+    launcher = Launcher(tmp_path_factory.mktemp("shared-decode"))
+    timeout = str(HANDSHAKE_TIMEOUT)
+    try:
+        yield launcher.start(
+            "--backend", "vllm", "--mode", "decode", "--kv-handshake-timeout", timeout
+        )
+    finally:
+        launcher.stop_all()
+
+
+@pytest.fixture
+def decode(shared_decode: Engine) -> Engine:
+    assert shared_decode.post("/_fake/reset").status_code == 200
+    return shared_decode
+
+
+def test_nixl_series_on_kv_instances_only(decode: Engine, launch: Callable[..., Engine]) -> None:
+    prefill = launch("--backend", "vllm", "--mode", "prefill")
+    for engine in (decode, prefill):
+        text = engine.get("/metrics").text
+        types = family_types(text)
+        for name in NIXL_COUNTERS:
+            assert types[name] == "counter"
+            assert f"# TYPE {name}_total counter" in text
+        assert types["vllm:num_requests_kv_fetch_by_stage"] == "gauge"
+    assert nixl_counts(prefill) == dict.fromkeys([*NIXL_COUNTERS, "error"], 0.0)
+    assert kv_fetch(prefill) == dict.fromkeys(
+        ["waiting_to_start", "in_progress", "completed_waiting", "waiting", "deferred", "running"],
+        0.0,
+    )
+    ok = decode.post("/v1/completions", decode_leg())
+    assert ok.status_code == 200
+    assert ok.json()["usage"]["completion_tokens"] == 2
+    aggregated = launch("--backend", "vllm").get("/metrics").text
+    assert "nixl" not in aggregated
+    assert "kv_fetch_by_stage" not in aggregated
+
+
+def test_nixl_peer_killed_fails_the_transfer_at_once(decode: Engine) -> None:
+    before = nixl_counts(decode)
+    decode.fault(kv_transfer_failure="peer_killed")
+    started = time.monotonic()
+    failed = decode.post("/v1/completions", decode_leg())
+    assert time.monotonic() - started < 1.0
+    assert failed.status_code == 500
+    assert failed.json() == {
+        "error": {"message": "Internal server error", "type": "InternalServerError", "code": 500}
+    }
+    after = nixl_counts(decode)
+    assert after["vllm:nixl_num_failed_transfers"] == before["vllm:nixl_num_failed_transfers"] + 2
+    notifications = "vllm:nixl_num_failed_notifications"
+    assert after[notifications] == before[notifications] + 1
+    assert after["vllm:nixl_num_kv_expired_reqs"] == before["vllm:nixl_num_kv_expired_reqs"]
+    assert after["error"] == before["error"] + 1
+    # Only transfers fail: health and local requests are fine.
+    assert decode.get("/health").status_code == 200
+    assert decode.post("/v1/completions", completion()).status_code == 200
+    assert kv_fetch(decode)["waiting"] == 0
+
+
+def test_nixl_handshake_timeout_fails_after_the_timeout(decode: Engine) -> None:
+    before = nixl_counts(decode)
+    decode.fault(kv_transfer_failure="handshake_timeout")
+    started = time.monotonic()
+    failed = decode.post("/v1/completions", decode_leg())
+    assert time.monotonic() - started >= HANDSHAKE_TIMEOUT
+    assert failed.status_code == 500
+    assert failed.json()["error"]["message"] == "Internal server error"
+    after = nixl_counts(decode)
+    assert after["vllm:nixl_num_failed_transfers"] == before["vllm:nixl_num_failed_transfers"] + 2
+    notifications = "vllm:nixl_num_failed_notifications"
+    assert after[notifications] == before[notifications]
+    assert kv_fetch(decode)["deferred"] == 0
+    assert decode.get("/health").status_code == 200
+
+
+def test_nixl_peer_frozen_after_handshake_waits_deferred(decode: Engine) -> None:
+    before = nixl_counts(decode)
+    decode.fault(kv_transfer_failure="peer_frozen")
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        pending = pool.submit(decode.post, "/v1/completions", decode_leg(max_tokens=2))
+        wait_for(lambda: kv_fetch(decode)["deferred"] == 1)
+        assert kv_fetch(decode) == {
+            "waiting_to_start": 0,
+            "in_progress": 1,
+            "completed_waiting": 0,
+            "waiting": 1,
+            "deferred": 1,
+            "running": 0,
+        }
+        assert decode.get("/health").status_code == 200
+        assert decode.post("/v1/completions", completion()).status_code == 200
+        assert not pending.done()
+        assert nixl_counts(decode) == before
+        # The peer thaws (SIGCONT): the transfer completes and the request is answered.
+        decode.fault(kv_transfer_failure="none")
+        answered = pending.result(timeout=5)
+    assert answered.status_code == 200
+    assert answered.json()["usage"]["completion_tokens"] == 2
+    assert kv_fetch(decode)["waiting"] == 0
+    assert nixl_counts(decode) == before

@@ -3,7 +3,9 @@
 Run ``python -m sidecar.fakeengine --backend vllm --mode decode --port 8000``. It speaks the HTTP
 dialect of vLLM, SGLang, TensorRT-LLM or llama.cpp's llama-server (``--backend openai``),
 including their prefill/decode/encode role rules, and adds a ``/_fake`` control API for fault
-injection (hangs, latency, errors, garbage bodies, death) and request inspection.
+injection (hangs, latency, errors, garbage bodies, wrong answers, failed NIXL KV transfers,
+death) and request inspection. ``--dev-mode`` adds vLLM's sleep-mode routes (``/sleep``,
+``/wake_up``, ``/is_sleeping``).
 """
 
 from __future__ import annotations

@@ -18,7 +18,14 @@ import uvicorn
 
 from sidecar.fakeengine.app import build_app
 from sidecar.fakeengine.backends import BACKENDS
-from sidecar.fakeengine.state import BACKEND_NAMES, MODES, EngineConfig, EngineState
+from sidecar.fakeengine.state import (
+    BACKEND_NAMES,
+    MODES,
+    NIXL_HANDSHAKE_TIMEOUT,
+    EngineConfig,
+    EngineState,
+    Faults,
+)
 
 logger = logging.getLogger("sidecar.fakeengine")
 
@@ -32,6 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m sidecar.fakeengine",
         description="Fake LLM inference engine speaking vLLM, SGLang, TRT-LLM or llama.cpp HTTP.",
+        epilog="Faults are injected at run time with POST /_fake/fault, a JSON object with any of "
+        f"{', '.join(Faults.model_fields)} (see Faults in sidecar/fakeengine/state.py); GET "
+        "/_fake/fault shows them, POST /_fake/reset clears them, GET /_fake/state and "
+        "/_fake/requests show what the engine saw.",
     )
     parser.add_argument("--backend", choices=BACKEND_NAMES, default="vllm")
     parser.add_argument("--mode", choices=MODES, default="aggregated")
@@ -59,13 +70,30 @@ def build_parser() -> argparse.ArgumentParser:
         help="auto: gzip the metrics for clients that accept it where the real server does "
         "(sglang, trtllm); always: whatever the client asks",
     )
+    parser.add_argument(
+        "--dev-mode",
+        action="store_true",
+        help="vllm only, as VLLM_SERVER_DEV_MODE=1: serve POST /sleep?level=0|1|2&mode=abort|wait|"
+        "keep, POST /wake_up and GET /is_sleeping (404 without it); a request sent while asleep "
+        "is held until /wake_up",
+    )
+    parser.add_argument(
+        "--kv-handshake-timeout",
+        type=_non_negative,
+        default=NIXL_HANDSHAKE_TIMEOUT,
+        help="vllm prefill/decode: seconds the NIXL handshake waits for a frozen prefill peer "
+        "(kv_transfer_failure=handshake_timeout) before the request fails 500; vLLM has 5 s",
+    )
     parser.add_argument("--port-file", type=Path, help="write the bound port here (atomically)")
     parser.add_argument("--log-level", choices=LOG_LEVELS, default="warning")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.dev_mode and args.backend != "vllm":
+        parser.error("--dev-mode (sleep mode) exists only for --backend vllm")
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -83,6 +111,8 @@ async def _run(args: argparse.Namespace) -> int:
         load_seconds=args.load_seconds,
         prompt_on_arrival=args.prompt_on_arrival,
         metrics_gzip=args.metrics_gzip,
+        dev_mode=args.dev_mode,
+        kv_handshake_timeout=args.kv_handshake_timeout,
     )
     state = EngineState(config, loading_seconds=0.0 if binds_after_loading else args.load_seconds)
     server = _EngineServer(

@@ -24,6 +24,11 @@ GarbageKind = Literal[
     "wrong_token_count",
     "wrong_content_type",
 ]
+# How a vLLM decode instance's NIXL pull of a request's KV from its prefill peer goes.
+KvTransferFailure = Literal["none", "peer_killed", "handshake_timeout", "peer_frozen"]
+# What ``POST /sleep?mode=`` does with the requests in flight (vLLM's PauseMode).
+PauseMode = Literal["abort", "wait", "keep"]
+FinishReason = Literal["length", "abort"]
 
 BACKEND_NAMES: tuple[str, ...] = get_args(BackendName)
 MODES: tuple[str, ...] = get_args(Mode)
@@ -33,6 +38,8 @@ FAKE_BOOTSTRAP_HOST = "2.2.2.2"
 MAX_RECORDED_REQUESTS = 10_000
 RECORDED_HEADERS = ("x-request-id", "user-agent", "authorization", "content-type")
 DEFAULT_GENERATION_ERROR = "Injected generation failure (fake engine)"
+#: NIXL's side-channel handshake waits this long for the peer (hard-coded 5 s in vLLM 0.32).
+NIXL_HANDSHAKE_TIMEOUT = 5.0
 PREFILL_CHUNK_SECONDS = 0.25
 PREFILL_CHUNK_TOKENS = 512  # what a chunked prefill's step adds to the prompt-token counter
 
@@ -61,6 +68,18 @@ class Faults(BaseModel):
     # Publish the in-flight gauges but none of the progress counters (some TensorRT-LLM
     # releases name theirs differently).
     hide_counters: bool = False
+    # Answers stay 200 and well formed, with the right token counts, but carry other tokens (ids
+    # and text) than the healthy deterministic answer, as if weights or KV cache were corrupted:
+    # every answer while wrong_answer is on, else the next wrong_answers answers (one is used up
+    # as each answer starts its first token; then answers are right again).
+    wrong_answer: bool = False
+    wrong_answers: int = Field(default=0, ge=0)
+    # vLLM prefill/decode: how the NIXL pull of a do_remote_prefill request's KV goes (see
+    # VllmBackend._transfer). "peer_killed": 500 at once, failed transfers +2 and failed
+    # notifications +1; "handshake_timeout": 500 after the handshake timeout, failed transfers
+    # +2; "peer_frozen": the request waits deferred with its fetch in progress, no counter
+    # moves. Setting it back to "none" completes a waiting transfer, as SIGCONT does.
+    kv_transfer_failure: KvTransferFailure = "none"
 
 
 class EngineStopping(Exception):
@@ -84,6 +103,11 @@ class EngineConfig:
     # gzip the metrics: "auto" when the client accepts it and the backend's server does so
     # (prometheus_client's ASGI app: SGLang, TensorRT-LLM); "always" whatever the client asks.
     metrics_gzip: MetricsGzip = "auto"
+    # vLLM's development routes (VLLM_SERVER_DEV_MODE=1): POST /sleep, POST /wake_up,
+    # GET /is_sleeping. Without it they are 404, as on a real vLLM.
+    dev_mode: bool = False
+    # Seconds a vLLM decode's NIXL handshake waits for a frozen prefill peer.
+    kv_handshake_timeout: float = NIXL_HANDSHAKE_TIMEOUT
 
 
 @dataclass
@@ -95,11 +119,18 @@ class Job:
     max_tokens: int
     prompt_ids: list[int] | None = None
     meta: dict[str, Any] = field(default_factory=dict)
+    # "abort" when a sleep (mode abort) ended it early.
+    finish_reason: FinishReason = "length"
 
 
 def token_at(position: int) -> int:
     """Deterministic small token id for the n-th generated token."""
     return 11 + (position * 7) % 89
+
+
+def wrong_token_at(position: int) -> int:
+    """The n-th token of a wrong answer: differs from ``token_at`` in id and in word."""
+    return token_at(position) + 1
 
 
 def detokenize(tokens: list[int]) -> str:
@@ -127,10 +158,28 @@ class EngineState:
         self.iteration_tokens = 0  # prompt tokens computed plus tokens generated, by steps
         self.steps = 0  # engine steps that produced tokens
         self.finished_requests = 0
+        self.aborted_requests = 0  # ended by a sleep in mode abort
+        self.failed_requests = 0  # ended by an error after admission (a failed KV transfer)
+        # NIXL connector counters (vLLM prefill/decode).
+        self.nixl_failed_transfers = 0
+        self.nixl_failed_notifications = 0
+        self.nixl_kv_expired_reqs = 0
+        # Sleep mode (vLLM dev routes). ``paused``: new generations are held (what
+        # GET /is_sleeping says); ``sleep_level``: the level of the completed sleep, None awake.
+        self.paused = False
+        self.sleep_level: int | None = None
+        self.held = 0  # requests held because the engine sleeps
+        self._keep_in_flight = False  # sleep mode "keep": generations in flight pause too
+        self._abort_epoch = 0  # bumped by a sleep in mode "abort"
         self._ready_at = time.monotonic() + loading_seconds
         self.stopping = asyncio.Event()
         self._released = asyncio.Event()
         self._released.set()
+        self._resumed = asyncio.Event()
+        self._resumed.set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._change = asyncio.Event()
 
     # -- loading ---------------------------------------------------------------------------------
 
@@ -148,12 +197,33 @@ class EngineState:
     def update_faults(self, changes: Mapping[str, Any]) -> Faults:
         self.faults = self.faults.model_copy(update=dict(changes))
         self._sync_hang()
+        self._pulse()
         return self.faults
 
     def reset_faults(self) -> Faults:
         self.faults = Faults(latency=self.config.latency)
         self._sync_hang()
+        self._pulse()
         return self.faults
+
+    @property
+    def change(self) -> asyncio.Event:
+        """Set at the next change of the faults or of the sleep state (take it before waiting)."""
+        return self._change
+
+    def _pulse(self) -> None:
+        self._change.set()
+        self._change = asyncio.Event()
+
+    def take_wrong_answer(self) -> bool:
+        """Whether the answer starting now is to be wrong; uses up one of ``wrong_answers``."""
+        faults = self.faults
+        if faults.wrong_answer:
+            return True
+        if faults.wrong_answers > 0:
+            self.faults = faults.model_copy(update={"wrong_answers": faults.wrong_answers - 1})
+            return True
+        return False
 
     def mark_dead(self) -> None:
         self.update_faults({"dead": True})
@@ -168,11 +238,54 @@ class EngineState:
         """Shutdown begins: release hung generations (they then fail) and wake parked requests."""
         self.stopping.set()
         self._released.set()
+        self._resumed.set()
 
     async def _wait_released(self) -> None:
         await self._released.wait()
+        if self._keep_in_flight:
+            await self._resumed.wait()
         if self.stopping.is_set():
             raise EngineStopping
+
+    # -- sleep mode ------------------------------------------------------------------------------
+
+    async def sleep(self, level: int, mode: PauseMode) -> None:
+        """vLLM's ``sleep(level, mode)``: pause the scheduler (new requests are held, unanswered,
+        until ``wake_up``), deal with the requests in flight by ``mode``, then sleep at ``level``
+        (0: scheduling paused only, 1: weights offloaded, 2: everything discarded).
+
+        ``abort``: generations in flight end at once with finish_reason "abort"; ``keep``: they
+        pause where they are until ``wake_up``; ``wait``: they run to the end first."""
+        self.paused = True
+        self._resumed.clear()
+        if mode == "abort":
+            self._abort_epoch += 1
+        elif mode == "keep":
+            self._keep_in_flight = True
+        else:
+            stopping = asyncio.ensure_future(self.stopping.wait())
+            idle = asyncio.ensure_future(self._idle.wait())
+            try:
+                await asyncio.wait({stopping, idle}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                stopping.cancel()
+                idle.cancel()
+            if self.stopping.is_set():
+                raise EngineStopping
+        if self.paused:  # unless a wake_up came meanwhile
+            self.sleep_level = level
+        self._pulse()
+
+    def wake_up(self) -> None:
+        """vLLM's ``wake_up``: everything resident again, held and kept requests go on."""
+        self.paused = False
+        self.sleep_level = None
+        self._keep_in_flight = False
+        self._resumed.set()
+        self._pulse()
+
+    def aborted_since(self, epoch: int) -> bool:
+        return self._abort_epoch != epoch
 
     # -- request log -----------------------------------------------------------------------------
 
@@ -187,13 +300,22 @@ class EngineState:
     # -- generation ------------------------------------------------------------------------------
 
     async def generate(self, job: Job) -> AsyncIterator[int]:
-        """Yield ``job.max_tokens`` tokens, honouring latency and hangs, updating counters."""
+        """Yield ``job.max_tokens`` tokens, honouring latency and hangs, updating counters.
+
+        A sleep in mode "abort" ends it early with ``job.finish_reason`` "abort". The tokens are
+        the deterministic healthy answer, or a wrong one under the wrong-answer faults."""
         self.running += 1
+        self._idle.clear()
+        epoch = self._abort_epoch
+        wrong = False
         try:
             if self.config.prompt_on_arrival:
                 self.prompt_tokens += job.prompt_tokens
             await self._wait_released()
             await self._prefill()
+            if self.aborted_since(epoch):
+                self._abort(job)
+                return
             if not self.config.prompt_on_arrival:
                 self.prompt_tokens += job.prompt_tokens
             if job.max_tokens == 0:
@@ -201,14 +323,25 @@ class EngineState:
             for position in range(job.max_tokens):
                 await self._wait_released()
                 await asyncio.sleep(self.faults.latency / job.max_tokens)
+                if self.aborted_since(epoch):
+                    self._abort(job)
+                    return
+                if position == 0:
+                    wrong = self.take_wrong_answer()
                 self.generated_tokens += 1
                 # One step per token; the first one also computed the prompt (as vLLM counts).
                 self.steps += 1
                 self.iteration_tokens += 1 + (job.prompt_tokens if position == 0 else 0)
-                yield token_at(position)
+                yield wrong_token_at(position) if wrong else token_at(position)
             self.finished_requests += 1
         finally:
             self.running -= 1
+            if self.running == 0:
+                self._idle.set()
+
+    def _abort(self, job: Job) -> None:
+        job.finish_reason = "abort"
+        self.aborted_requests += 1
 
     async def _prefill(self) -> None:
         seconds = self.faults.prefill_seconds
@@ -234,6 +367,10 @@ class EngineState:
             "model": self.config.model,
             "loading": self.loading,
             "running": self.running,
+            "waiting": self.waiting,
+            "held": self.held,
+            "sleeping": self.paused,
+            "sleep_level": self.sleep_level,
             "generated_tokens": self.generated_tokens,
             "pid": self.pid,
         }

@@ -11,7 +11,7 @@ import gzip
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any, ClassVar, TypeVar
 
 from fastapi import FastAPI, Request
@@ -222,23 +222,57 @@ class Backend:
     def finish(self, body: dict[str, Any]) -> Response:
         return generation_response(body, self.state.faults.garbage)
 
-    async def park(self, request: Request, *, on_peer: bool = False) -> None:
-        """Queue a request for something that never comes; it ends when its client leaves.
-        ``on_peer``: it waits for KV from a prefill peer."""
+    async def park(
+        self,
+        request: Request,
+        *,
+        on_peer: bool = False,
+        until: Callable[[], bool] | None = None,
+        seconds: float | None = None,
+    ) -> bool:
+        """Queue a request as waiting (``on_peer``: for its KV from a prefill peer, "deferred")
+        until ``until()`` holds (True) or ``seconds`` pass (False); with neither it waits for
+        something that never comes and ends when its client leaves."""
         self.state.waiting += 1
         self.state.deferred += on_peer
-        disconnect = asyncio.ensure_future(_until_disconnect(request))
-        stopping = asyncio.ensure_future(self.state.stopping.wait())
         try:
-            await asyncio.wait({disconnect, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            return await self.wait_until(request, until, seconds)
         finally:
             self.state.waiting -= 1
             self.state.deferred -= on_peer
+
+    async def wait_until(
+        self, request: Request, until: Callable[[], bool] | None, seconds: float | None = None
+    ) -> bool:
+        """Wait until ``until()`` holds, checked now and at every change of the faults or of the
+        sleep state (True), or until ``seconds`` pass (False). Raises ClientGone when the client
+        leaves first, EngineStopping when the server shuts down."""
+        loop = asyncio.get_running_loop()
+        deadline = None if seconds is None else loop.time() + seconds
+        disconnect = asyncio.ensure_future(_until_disconnect(request))
+        stopping = asyncio.ensure_future(self.state.stopping.wait())
+        try:
+            while until is None or not until():
+                changed = asyncio.ensure_future(self.state.change.wait())
+                remaining = None if deadline is None else max(0.0, deadline - loop.time())
+                try:
+                    done, _ = await asyncio.wait(
+                        {disconnect, stopping, changed},
+                        timeout=remaining,
+                        return_when=asyncio.FIRST_COMPLETED,
+                    )
+                finally:
+                    changed.cancel()
+                if stopping in done:
+                    raise EngineStopping
+                if disconnect in done:
+                    raise ClientGone
+                if not done:
+                    return False
+            return True
+        finally:
             disconnect.cancel()
             stopping.cancel()
-        if self.state.stopping.is_set():
-            raise EngineStopping
-        raise ClientGone
 
     # ----------------------------------------------------------------------- OpenAI routes
 
@@ -259,7 +293,7 @@ class Backend:
         choice: dict[str, Any] = {
             "index": 0,
             "text": detokenize(tokens),
-            "finish_reason": "length",
+            "finish_reason": job.finish_reason,
             "logprobs": None,
         }
         if req.return_token_ids:
@@ -283,7 +317,7 @@ class Backend:
         choice = {
             "index": 0,
             "message": {"role": "assistant", "content": detokenize(tokens)},
-            "finish_reason": "length",
+            "finish_reason": job.finish_reason,
             "logprobs": None,
         }
         return self._finish_openai(job, tokens, "chat.completion", "chatcmpl-", choice)
@@ -322,7 +356,7 @@ class Backend:
 
         async for token in self.state.generate(job):
             yield chunk(detokenize([token]), None)
-        yield chunk("", "length")
+        yield chunk("", job.finish_reason)
 
 
 async def _until_disconnect(request: Request) -> None:

@@ -1,4 +1,8 @@
-"""vLLM (``vllm serve``, V1 engine, NixlConnector for P/D, ec_producer for encoders)."""
+"""vLLM (``vllm serve``, V1 engine, NixlConnector for P/D, ec_producer for encoders).
+
+With ``--dev-mode`` (vLLM's ``VLLM_SERVER_DEV_MODE=1``) it also serves the sleep-mode routes:
+``POST /sleep?level=1&mode=abort``, ``POST /wake_up``, ``GET /is_sleeping``.
+"""
 
 from __future__ import annotations
 
@@ -8,18 +12,33 @@ from typing import Any, ClassVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
-from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 
 from sidecar.fakeengine.backends.base import Backend, counter, gauge, new_id
 from sidecar.fakeengine.responses import ApiError, json_response, status_type
 from sidecar.fakeengine.schemas import OpenAIRequest
-from sidecar.fakeengine.state import EngineState, Job
+from sidecar.fakeengine.state import EngineState, Job, PauseMode
 
 logger = logging.getLogger(__name__)
 
 KV_BLOCK_SIZE = 16
 NIXL_SIDE_CHANNEL_PORT = 5600
 _PEER_FIELDS = ("remote_engine_id", "remote_host", "remote_port")
+#: A killed prefill peer fails the transfer this fast (measured: under 0.1 s).
+PEER_KILLED_SECONDS = 0.02
+#: What vLLM answers (500) for a request that finished with an error, e.g. a failed KV load.
+GENERATION_ERROR = "Internal server error"
+SLEEP_LEVELS = (0, 1, 2)
+_PAUSE_MODES: dict[str, PauseMode] = {"abort": "abort", "wait": "wait", "keep": "keep"}
+#: ``vllm:engine_sleep_state``'s series: awake, level 1, level 2 (level 0: all three are 0).
+SLEEP_STATES = ((None, "awake"), (1, "weights_offloaded"), (2, "discard_all"))
+#: vLLM's FinishReason values, each a ``vllm:request_success`` series from the start.
+FINISHED_REASONS = ("stop", "length", "abort", "error", "repetition")
 
 
 class VllmBackend(Backend):
@@ -61,22 +80,83 @@ class VllmBackend(Backend):
             self._frozen = families
         return self._frozen
 
+    @property
+    def has_kv_connector(self) -> bool:
+        """Prefill and decode instances run the NixlConnector (kv_role kv_both)."""
+        return self.config.mode in ("prefill", "decode")
+
     def metric_families(self) -> list[Metric]:
         labels = {"model_name": self.config.model}
         s = self.state
-        return [
+        families = [
             gauge("vllm:num_requests_running", "Requests in execution batches.", s.running, labels),
             gauge("vllm:num_requests_waiting", "Requests waiting to run.", s.waiting, labels),
             self._waiting_by_reason(labels),
-            self._kv_fetch_by_stage(labels),
+            self._sleep_state(labels),
             counter("vllm:prompt_tokens", "Prefill tokens processed.", s.prompt_tokens, labels),
             counter("vllm:generation_tokens", "Tokens generated.", s.generated_tokens, labels),
             self._iteration_tokens(labels),
+            self._request_success(labels),
+        ]
+        if self.has_kv_connector:
+            families += [self._kv_fetch_by_stage(labels), *self._nixl_counters(labels)]
+        return families
+
+    def _request_success(self, labels: dict[str, str]) -> Metric:
+        family = CounterMetricFamily(
+            "vllm:request_success",
+            "Count of successfully processed requests.",
+            labels=[*labels, "finished_reason"],
+        )
+        s = self.state
+        counts = {"length": s.finished_requests, "abort": s.aborted_requests}
+        counts["error"] = s.failed_requests
+        for reason in FINISHED_REASONS:
+            family.add_metric([*labels.values(), reason], counts.get(reason, 0))
+        return family
+
+    def _sleep_state(self, labels: dict[str, str]) -> Metric:
+        """One series per state, 1 for the current one (all 0 asleep at level 0), published
+        whether or not the sleep routes are served, as vLLM does."""
+        family = GaugeMetricFamily(
+            "vllm:engine_sleep_state",
+            "Engine sleep state; awake = 0 means engine is sleeping; awake = 1 means engine is "
+            "awake; weights_offloaded = 1 means sleep level 1; discard_all = 1 means sleep "
+            "level 2.",
+            labels=[*labels, "sleep_state"],
+        )
+        level = self.state.sleep_level
+        for state_level, name in SLEEP_STATES:
+            family.add_metric([*labels.values(), name], 1 if level == state_level else 0)
+        return family
+
+    def _nixl_counters(self, labels: dict[str, str]) -> list[Metric]:
+        s = self.state
+        return [
             counter(
-                "vllm:request_success",
-                "Successfully finished requests.",
-                s.finished_requests,
-                {**labels, "finished_reason": "length"},
+                "vllm:nixl_num_failed_transfers",
+                "Number of failed NIXL KV Cache transfers, including handshake and notification "
+                "failures.",
+                s.nixl_failed_transfers,
+                labels,
+            ),
+            counter(
+                "vllm:nixl_num_failed_notifications",
+                "Number of failed NIXL KV Cache notifications.",
+                s.nixl_failed_notifications,
+                labels,
+            ),
+            counter(
+                "vllm:nixl_num_kv_expired_reqs",
+                "Number of requests that had their KV expire (tracked on the P instance).",
+                s.nixl_kv_expired_reqs,
+                labels,
+            ),
+            counter(
+                "vllm:nixl_num_notifications_after_expiry",
+                "Number of completion notifications for requests that were no longer tracked.",
+                0,
+                labels,
             ),
         ]
 
@@ -105,6 +185,8 @@ class VllmBackend(Backend):
         return family
 
     def _kv_fetch_by_stage(self, labels: dict[str, str]) -> Metric:
+        """Only a KV consumer publishes it; every deferred request counts as "in_progress" (a
+        real vLLM moves it there as soon as its blocks are allocated, before any handshake)."""
         family = GaugeMetricFamily(
             "vllm:num_requests_kv_fetch_by_stage",
             "Requests fetching KV from a remote instance, by stage.",
@@ -122,22 +204,69 @@ class VllmBackend(Backend):
         app.add_api_route("/health", self.health, methods=["GET"])
         app.add_api_route("/ping", self.health, methods=["GET", "POST"])
         app.add_api_route("/version", self.version, methods=["GET"])
+        if self.config.dev_mode:
+            app.add_api_route("/sleep", self.sleep, methods=["POST"])
+            app.add_api_route("/wake_up", self.wake_up, methods=["POST"])
+            app.add_api_route("/is_sleeping", self.is_sleeping, methods=["GET"])
 
     async def version(self) -> Response:
         return json_response({"version": "0.0.0+fakeengine"})
 
+    # ---------------------------------------------------------------------------- sleep mode
+
+    async def sleep(self, request: Request) -> Response:
+        """``POST /sleep?level=1&mode=abort``: answers once the engine sleeps."""
+        raw_level = request.query_params.get("level", "1")
+        mode = request.query_params.get("mode", "abort")
+        try:
+            level = int(raw_level)
+        except ValueError:
+            level = -1
+        if level not in SLEEP_LEVELS:
+            raise ApiError(400, f"1 validation error: query.level: must be 0, 1 or 2: {raw_level}")
+        pause_mode = _PAUSE_MODES.get(mode)
+        if pause_mode is None:
+            raise ApiError(
+                400, f"1 validation error: query.mode: must be abort, wait or keep: {mode}"
+            )
+        await self.state.sleep(level, pause_mode)
+        logger.info("sleeping at level %d (mode %s)", level, mode)
+        return json_response({"status": "sleeping", "level": level})
+
+    async def wake_up(self, request: Request) -> Response:
+        """``POST /wake_up``: always wakes fully; ``tags`` are echoed back, not honoured."""
+        tags = request.query_params.getlist("tags") or None
+        self.state.wake_up()
+        return json_response({"status": "awake", "tags": tags})
+
+    async def is_sleeping(self) -> Response:
+        return json_response({"is_sleeping": self.state.paused})
+
     # ---------------------------------------------------------------------------- role rules
 
     async def admit(self, req: OpenAIRequest, job: Job, request: Request) -> Job:
-        """NixlConnector semantics; only P/D instances have a KV connector configured."""
+        """Sleep holds, then NixlConnector semantics (only P/D instances have a KV connector)."""
+        await self._hold_while_asleep(request)
         params = req.kv_transfer_params
-        if not params or self.config.mode not in ("prefill", "decode"):
+        if not params or not self.has_kv_connector:
             return job
         if params.get("do_remote_prefill"):
             await self._pull_remote_kv(params, request)
         if params.get("do_remote_decode"):
             job.meta["remote_decode"] = True
         return job
+
+    async def _hold_while_asleep(self, request: Request) -> None:
+        """A request to a sleeping vLLM is queued, unanswered and unfailed, until wake_up. The
+        paused engine core takes no step, so it publishes nothing: the held request shows
+        neither as waiting nor as running."""
+        if not self.state.paused:
+            return
+        self.state.held += 1
+        try:
+            await self.wait_until(request, lambda: not self.state.paused)
+        finally:
+            self.state.held -= 1
 
     async def _pull_remote_kv(self, params: dict[str, Any], request: Request) -> None:
         if not params.get("remote_block_ids"):
@@ -150,7 +279,38 @@ class VllmBackend(Backend):
             # No NIXL read is ever queued, yet the request waits for its remote KVs.
             logger.warning("Got invalid KVTransferParams: %s; request parks forever", params)
             await self.park(request, on_peer=True)
-        # A complete handoff: the fake NIXL read succeeds at once.
+        await self._transfer(request)
+
+    async def _transfer(self, request: Request) -> None:
+        """The NIXL read, as the kv_transfer_failure fault says; it returns once the KV is in.
+        While it lasts the request waits "deferred", its fetch "in_progress"."""
+        state = self.state
+        while (failure := state.faults.kv_transfer_failure) != "none":
+
+            def changed(failure: str = failure) -> bool:
+                return state.faults.kv_transfer_failure != failure
+
+            if failure == "peer_frozen":
+                # Frozen after the handshake: the read never completes, nothing counts.
+                await self.park(request, on_peer=True, until=changed)
+            elif failure == "handshake_timeout":
+                # Frozen before the handshake: its side channel times out.
+                timeout = self.config.kv_handshake_timeout
+                if not await self.park(request, on_peer=True, until=changed, seconds=timeout):
+                    self._fail_transfer(failed_transfers=2, failed_notifications=0)
+            else:
+                # Killed: the read fails at once, and so does its completion notification.
+                await self.park(request, on_peer=True, seconds=PEER_KILLED_SECONDS)
+                self._fail_transfer(failed_transfers=2, failed_notifications=1)
+
+    def _fail_transfer(self, *, failed_transfers: int, failed_notifications: int) -> None:
+        """The KV load failed: the request finishes with an error, which vLLM answers 500."""
+        s = self.state
+        s.nixl_failed_transfers += failed_transfers
+        s.nixl_failed_notifications += failed_notifications
+        s.failed_requests += 1
+        logger.warning("NIXL KV transfer failed; request finished with an error")
+        raise ApiError(500, GENERATION_ERROR)
 
     def decorate(self, job: Job, tokens: list[int], body: dict[str, Any]) -> None:
         """A prefill leg that ends length-capped hands its blocks to the decode instance."""
