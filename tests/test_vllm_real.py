@@ -79,8 +79,9 @@ def canary_body(mode: str) -> tuple[str, dict[str, Any], int]:
 
 @pytest.fixture(scope="module")
 def vllm_aggregated() -> Iterator[VllmServer]:
-    """The aggregated server most tests share."""
-    with aggregated_vllm() as server:
+    """The aggregated server most tests share, with vLLM's development routes (the sleep routes
+    among them: POST /sleep, POST /wake_up, GET /is_sleeping)."""
+    with aggregated_vllm(env={"VLLM_SERVER_DEV_MODE": "1"}) as server:
         yield server
 
 
@@ -268,6 +269,81 @@ def test_every_role_canary_body_is_accepted(vllm_aggregated, mode):
 
 
 # --- f. start-up: the sidecar waits for a loading vLLM --------------------------------------------
+# --- lifecycle and answers ------------------------------------------------------------------------
+def test_a_sleeping_vllm_is_notready_live_and_gets_no_canary(vllm_aggregated, sidecar):
+    """POST /sleep: notready "sleeping" within a registration interval, live, no canary (one
+    would be held until wake_up); POST /wake_up: a canary proves it, ready again."""
+    side = sidecar(sidecar_env(vllm_aggregated))
+    side.wait_status(200, 30)
+    http = vllm_aggregated.http
+    assert http.post(f"{vllm_aggregated.url}/sleep", params={"level": 1}).status_code == 200
+    try:
+        slept = time.monotonic()
+        side.wait_status(503, 5)
+        noticed = time.monotonic() - slept
+        _, body = side.health()
+        # Whichever told first: the sleep route or the sleep-state gauge.
+        assert body["reason"].startswith("generate: sleeping ("), body["reason"]
+        assert "is_sleeping true" in body["reason"] or "engine_sleep_state" in body["reason"]
+        assert body["checks"]["generate"]["lifecycle"]["sleeping"] is True
+        assert side.get("/live").status_code == 200
+        assert vllm_aggregated.health() == 200  # vLLM's own /health says nothing of it
+        asleep = 'health_sidecar_endpoint_paused{endpoint="generate",state="sleeping"} 1.0'
+        wait_until(lambda: asleep in side.metrics(), 3, what="the paused gauge")
+        sent = sidecar_metric(side, "health_sidecar_canary_total")
+        time.sleep(3 * WAIT)  # three canary waits: none may leave
+        assert sidecar_metric(side, "health_sidecar_canary_total") == sent
+        assert side.get("/live").status_code == 200
+    finally:
+        assert http.post(f"{vllm_aggregated.url}/wake_up").status_code == 200
+    passed = sidecar_metric(side, "health_sidecar_canary_total", outcome="success")
+    woke = time.monotonic()
+    side.wait_status(200, 10)
+    back = time.monotonic() - woke
+    assert sidecar_metric(side, "health_sidecar_canary_total", outcome="success") > passed
+    print(f"REAL-VLLM sleep: notready 'sleeping' {noticed:.2f} s after POST /sleep; ready "
+          f"{back:.2f} s after POST /wake_up, once a canary passed")  # fmt: skip
+
+
+def test_greedy_canary_answers_stay_the_same_under_load(vllm_aggregated, sidecar):
+    """SIDECAR_CANARY_CHECK_ANSWER on a real vLLM: its greedy canary answers the same idle and
+    under four clients' load (measured: 30 of 30 identical, logprobs bit-identical), so no
+    wrong_answer is ever counted on a healthy engine."""
+    side = sidecar(
+        sidecar_env(
+            vllm_aggregated,
+            SIDECAR_CANARY_CHECK_ANSWER="true",
+            DYN_CANARY_WAIT_TIME="0.2",
+            DYN_HEALTH_CHECK_REQUEST_TIMEOUT="3",
+        )
+    )
+    side.wait_status(200, 30)
+    stop = threading.Event()
+    try:
+        wait_until(
+            lambda: sidecar_metric(side, "health_sidecar_canary_total", outcome="success") >= 10,
+            15,
+            what="10 canaries idle",
+        )
+        _load(vllm_aggregated, 4, 64, stop)
+        start = sidecar_metric(side, "health_sidecar_canary_total", outcome="success")
+        # Under load, routine canaries are held while the counters advance: a suspicion or the
+        # short generations' gaps let some through.
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            if sidecar_metric(side, "health_sidecar_canary_total", outcome="success") >= start + 5:
+                break
+            time.sleep(0.2)
+    finally:
+        stop.set()
+    total_passed = sidecar_metric(side, "health_sidecar_canary_total", outcome="success")
+    wrong = sidecar_metric(side, "health_sidecar_canary_total", outcome="wrong_answer")
+    print(f"REAL-VLLM answer check: {total_passed:g} passed canaries, {wrong:g} wrong answers")
+    assert wrong == 0
+    assert total_passed >= 10
+    assert side.health()[0] == 200
+
+
 def test_sidecar_started_before_vllm(spare_vllm, sidecar):
     side = sidecar(sidecar_env(spare_vllm))
     time.sleep(2)

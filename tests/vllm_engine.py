@@ -323,10 +323,10 @@ def resume(pid: int) -> None:
 
 
 @contextlib.contextmanager
-def aggregated_vllm(*extra: str) -> Iterator[VllmServer]:
+def aggregated_vllm(*extra: str, env: dict[str, str] | None = None) -> Iterator[VllmServer]:
     """One started aggregated vLLM (about a minute), stopped on exit: wrap it in a
     module-scoped fixture so a test module starts it once."""
-    server = VllmServer(extra=extra)
+    server = VllmServer(extra=extra, env=env)
     try:
         server.start()
         yield server
