@@ -1,0 +1,109 @@
+"""Sleep and wrong answers end to end: the sidecar and the fake engine as real processes over
+loopback (the real vLLM's side of both: tests/test_vllm_real.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.harness import LOOPBACK, free_port, wait_until
+
+CANARY_ON = {"DYN_HEALTH_CHECK_ENABLED": "true"}
+
+
+def canaries(fake) -> list[dict]:
+    return [r for r in fake.requests() if r["path"] == "/v1/completions"]
+
+
+def count(side, outcome: str) -> float:
+    series = f'health_sidecar_canary_total{{endpoint="generate",outcome="{outcome}"}}'
+    for line in side.metrics().splitlines():
+        if line.startswith(series):
+            return float(line.split()[-1])
+    raise AssertionError(f"no canary_total for {outcome}")
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_a_sleeping_engine_is_notready_live_and_gets_no_canary(engine, sidecar, level):
+    fake = engine("vllm", "aggregated", "--dev-mode")
+    side = sidecar(CANARY_ON | {"SIDECAR_ENGINE_URL": fake.url})
+    side.wait_status(200, 5)
+    assert fake.http.post(f"{fake.url}/sleep", params={"level": level}).status_code == 200
+    side.wait_status(503, 3)
+    _, body = side.health()
+    assert body["reason"].startswith("generate: sleeping ("), body["reason"]
+    assert body["checks"]["generate"]["lifecycle"]["sleeping"] is True
+    sent = len(canaries(fake))
+    # Two canary waits (DYN_CANARY_WAIT_TIME=1) and a liveness check later: none left.
+    wait_until(lambda: side.get("/live").json()["reason"] == "no sustained hard failure", 1)
+    assert side.get("/live").status_code == 200
+    assert "sleeping" in side.proc.output()
+    wait_until(lambda: side.health()[0] == 503 and len(canaries(fake)) == sent, 1)
+    assert fake.http.post(f"{fake.url}/wake_up").status_code == 200
+    side.wait_status(200, 3)
+    assert len(canaries(fake)) > sent, "no canary proved the engine after it woke"
+
+
+def test_an_engine_without_the_sleep_route_is_asked_once(engine, sidecar):
+    """No dev routes: GET /is_sleeping answers 404, is asked no more in this incarnation, and
+    the worker is ready."""
+    fake = engine("vllm")
+    side = sidecar(CANARY_ON | {"SIDECAR_ENGINE_URL": fake.url})
+    side.wait_status(200, 5)
+    wait_until(lambda: "serves no sleep route" in side.proc.output(), 3)
+    checks = side.get("/health").json()["checks"]["generate"]
+    wait_until(lambda: side.get("/health").json()["checks"]["generate"] != checks, 3)
+    assert side.proc.output().count("serves no sleep route") == 1
+    assert side.health()[0] == 200
+
+
+def test_one_wrong_answer_does_not_flap_two_make_it_notready(engine, sidecar):
+    fake = engine("vllm")
+    side = sidecar(
+        CANARY_ON | {"SIDECAR_ENGINE_URL": fake.url, "SIDECAR_CANARY_CHECK_ANSWER": "true"}
+    )
+    side.wait_status(200, 5)
+    wait_until(lambda: count(side, "success") >= 2, 3, what="a reference and a match")
+    fake.fault(wrong_answers=1)
+    wait_until(lambda: count(side, "wrong_answer") == 1, 3, what="one wrong answer")
+    wait_until(lambda: count(side, "success") >= 3, 3, what="the next right answer")
+    assert side.health()[0] == 200
+    assert "endpoint notready" not in side.proc.output()
+
+    fake.fault(wrong_answer=True)
+    side.wait_status(503, 5)
+    _, body = side.health()
+    assert "canary wrong_answer: wrong answer: " in body["reason"], body["reason"]
+    assert "where this incarnation first answered" in body["reason"]
+    # Not hard: the worker stays live (a restart would reload the same weights).
+    assert side.get("/live").status_code == 200
+    assert body["checks"]["generate"]["hard_failure_since"] is None
+    fake.fault(wrong_answer=False)
+    side.wait_status(200, 3)
+
+
+def test_new_weights_after_a_maintenance_window_set_a_new_reference(engine, sidecar):
+    """A training loop declares a window, updates the weights (here: the fake answers otherwise),
+    and ends it: the first answer after the window is the new reference, not a wrong answer."""
+    fake = engine("vllm")
+    port = free_port()
+    side = sidecar(
+        CANARY_ON
+        | {
+            "SIDECAR_ENGINE_URL": fake.url,
+            "SIDECAR_CANARY_CHECK_ANSWER": "true",
+            "SIDECAR_CONTROL_PORT": str(port),
+        }
+    )
+    side.wait_status(200, 5)
+    wait_until(lambda: count(side, "success") >= 2, 3, what="a reference and a match")
+    control = f"http://{LOOPBACK}:{port}/maintenance"
+    window = {"seconds": 60, "reason": "weights, step 7"}
+    assert side.http.put(control, json=window).status_code == 200
+    side.wait_status(503, 2)
+    fake.fault(wrong_answer=True)  # the new weights
+    assert side.http.delete(control).status_code == 200
+    side.wait_status(200, 3)
+    passed = count(side, "success")
+    wait_until(lambda: count(side, "success") >= passed + 2, 4, what="two more canaries")
+    assert count(side, "wrong_answer") == 0
+    assert side.health()[0] == 200
