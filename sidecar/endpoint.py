@@ -25,6 +25,7 @@ from sidecar.evidence.progress import (
 )
 from sidecar.evidence.registration import RegistrationState, on_registration
 from sidecar.evidence.result import Result
+from sidecar.evidence.transfers import TransferSample, TransferState, on_transfers
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,7 @@ class EndpointState:
     canary: CanaryState = field(default_factory=CanaryState)
     progress: ProgressState = field(default_factory=ProgressState)
     lifecycle: LifecycleState = field(default_factory=LifecycleState)
+    transfers: TransferState = field(default_factory=TransferState)
 
     @property
     def incarnation(self) -> int:
@@ -129,6 +131,11 @@ def apply_sample(
     own: CanaryCost | None = None,
 ) -> EndpointState:
     return replace(ep, progress=on_sample(ep.progress, sample, why, spec, own))
+
+
+def apply_transfers(ep: EndpointState, sample: TransferSample | None) -> EndpointState:
+    """A read of the KV-transfer counters. Kept across incarnations: it is about the peers."""
+    return replace(ep, transfers=on_transfers(ep.transfers, sample))
 
 
 def canary_due(ep: EndpointState, policy: Policy) -> float | None:

@@ -23,6 +23,7 @@ from sidecar.endpoint import (
     apply_lifecycle,
     apply_registration,
     apply_sample,
+    apply_transfers,
     judged,
 )
 from sidecar.evidence import lifecycle
@@ -30,6 +31,7 @@ from sidecar.evidence.lifecycle import LifecycleState
 from sidecar.evidence.policy import Policy
 from sidecar.evidence.progress import CanaryCost, ProgressSample, ProgressSpec
 from sidecar.evidence.result import Outcome, Result
+from sidecar.evidence.transfers import WINDOW, TransferSample
 from sidecar.verdict import (
     Liveness,
     Readiness,
@@ -235,6 +237,17 @@ class Health:
             if missing and not before.lifecycle.sleep_route_missing:
                 log.info("%s: %s; its sleep state is not asked again", name, why)
         self._pause_change(name, before.lifecycle, after)
+
+    def record_transfers(self, name: str, sample: TransferSample | None) -> None:
+        before = self.snapshot.endpoints[name]
+        after = apply_transfers(before, sample)
+        now = self.clock()
+        was, is_ = before.transfers.failing(now), after.transfers.failing(now)
+        if is_ and not was:
+            log.warning("%s: %s", name, after.transfers.note(now).removeprefix("; "))
+        elif was and not is_:
+            log.info("%s: KV transfers from prefill peers: no failure for %g s", name, WINDOW)
+        self._commit(name, after)
 
     def start_maintenance(self, reason: str, seconds: float) -> None:
         """Declare (or replace) a maintenance window on every endpoint."""

@@ -17,7 +17,7 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
-from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
 
 from sidecar import __version__
@@ -46,7 +46,7 @@ class _VerdictCollector(Collector):
         self.health = health
         self.loops = loops
 
-    def collect(self) -> Iterator[GaugeMetricFamily | InfoMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | InfoMetricFamily | CounterMetricFamily]:
         health = self.health
         settings = health.settings
         snap = health.snapshot  # one snapshot for the whole scrape
@@ -147,6 +147,25 @@ class _VerdictCollector(Collector):
             paused.add_metric([name, "sleeping"], ep.lifecycle.sleeping)
             paused.add_metric([name, "maintenance"], ep.lifecycle.maintenance is not None)
         yield paused
+        transfers = CounterMetricFamily(
+            f"{PREFIX}_kv_transfer_failures",
+            "Failed KV transfers from prefill peers seen in the engine's metrics (kind: "
+            "failed_transfers, failed_notifications, expired_kv): the peer side's trouble.",
+            labels=["endpoint", "kind"],
+        )
+        failing = GaugeMetricFamily(
+            f"{PREFIX}_kv_transfers_failing",
+            "1 while KV transfers from prefill peers failed within the last minute.",
+            labels=["endpoint"],
+        )
+        for name, ep in snap.endpoints.items():
+            if ep.transfers.latest is None:
+                continue
+            for kind in ep.transfers.latest.failures:
+                transfers.add_metric([name, kind], ep.transfers.counted.get(kind, 0.0))
+            failing.add_metric([name], ep.transfers.failing(now))
+        yield transfers
+        yield failing
         yield from (ready, registered, failures, last_success)
         yield from (in_flight, stalled, readable, disagrees, last_progress, clock)
         yield GaugeMetricFamily(

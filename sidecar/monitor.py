@@ -5,7 +5,7 @@ heartbeat, all owned by one TaskGroup on the monitor's event loop.
   the served model when the canary needs it).
 - Progress: GET the engine's metrics every SIDECAR_METRICS_INTERVAL.
 - Sleep: with the registration check, ask a backend that can sleep whether it sleeps; with the
-  metrics read, read its sleep-state gauge.
+  metrics read, read its sleep-state gauge, and its KV-transfer counters.
 - Maintenance: end a declared window when its time is up.
 - Canary: send one when :func:`sidecar.endpoint.canary_due` says so, wait for its whole answer,
   record it, and only then look at the next: never more than one in flight per endpoint. With
@@ -27,6 +27,7 @@ from sidecar.engine import EngineClient
 from sidecar.evidence.lifecycle import sleeping_in
 from sidecar.evidence.progress import MetricsUnreadable, ProgressSample, ProgressSpec, read_progress
 from sidecar.evidence.result import Outcome, Result
+from sidecar.evidence.transfers import read_transfers
 from sidecar.health import HEARTBEAT_INTERVAL, Health
 
 log = logging.getLogger("sidecar.monitor")
@@ -169,6 +170,11 @@ class Monitor:
             started = loop.time()
             sample, why, text = await self._read_text(name, spec)
             self.health.record_sample(name, sample, why, spec, own)
+            if text is not None and plan.prober.transfers is not None:
+                transfers = read_transfers(
+                    text, plan.prober.transfers, self.health.clock(), time.time()
+                )
+                self.health.record_transfers(name, transfers)
             if text is not None and plan.prober.awake:
                 sleeping, what = sleeping_in(text, plan.prober.awake)
                 self.health.record_sleep(name, sleeping, f"{spec.path}: {what}", gauge=True)

@@ -11,6 +11,7 @@ from typing import Any
 
 from sidecar.config import StartingStatus
 from sidecar.endpoint import EndpointState, parked, suspected
+from sidecar.evidence.transfers import WINDOW
 from sidecar.health import HEARTBEAT_STALE, Snapshot, liveness_of, readiness_of
 from sidecar.verdict import RULE_TEXT, engine_disagrees
 
@@ -60,6 +61,20 @@ def _lifecycle(ep: EndpointState, now: float) -> dict[str, Any]:
     }
 
 
+def _transfers(ep: EndpointState, now: float) -> dict[str, Any] | None:
+    state = ep.transfers
+    if state.latest is None:
+        return None  # not published (not a decode worker, or no KV connector)
+    return {
+        "failing": state.failing(now),
+        "failures_in_window": state.in_window(now),
+        "window_seconds": WINDOW,
+        "failures_counted": dict(state.counted),
+        "last_failure_time": iso(state.last_failure_wall) if state.last_failure_wall else None,
+        "fetching": state.latest.fetching,
+    }
+
+
 def _check(ep: EndpointState, snap: Snapshot, now: float) -> dict[str, Any]:
     canary, registration, progress = ep.canary, ep.registration, ep.progress
     last = canary.last
@@ -87,6 +102,7 @@ def _check(ep: EndpointState, snap: Snapshot, now: float) -> dict[str, Any]:
         "in_flight": progress.in_flight,
         "progress": _progress(ep, snap, now),
         "lifecycle": _lifecycle(ep, now),
+        "kv_transfers": _transfers(ep, now),
         "last_progress_time": (
             iso(progress.last_advance_wall) if progress.last_advance_wall is not None else None
         ),

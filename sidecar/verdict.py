@@ -18,7 +18,9 @@ registered         notready                notready   the canary's reason ("stal
                                                       health route still answers 200" when so
 =================  ======================  =========  ==========================================
 
-Maintenance and sleep come from the lifecycle source (:mod:`sidecar.evidence.lifecycle`); while
+Failing KV transfers from prefill peers (:mod:`sidecar.evidence.transfers`) add a note to the
+reason of a registered endpoint and change nothing else. Maintenance and sleep come from the
+lifecycle source (:mod:`sidecar.evidence.lifecycle`); while
 either holds no canary is sent. "none" counts as DYN_SYSTEM_STARTING_HEALTH_STATUS says. The
 engine's metrics never appear in the verdict column: they only shape the canary's schedule and
 how a timeout is counted.
@@ -97,13 +99,14 @@ def endpoint_verdict(ep: EndpointState, policy: Policy, now: float) -> Verdict:
         return Verdict(False, f"engine not registered: {registration.reason}")
     if ep.lifecycle.sleeping:
         return Verdict(False, ep.lifecycle.reason(now) or "sleeping")
+    peers = ep.transfers.note(now)  # informs, never decides
     if not ep.has_canary:
-        return Verdict(True, f"registered; no canary ({ep.canary_why})")
+        return Verdict(True, f"registered; no canary ({ep.canary_why})" + peers)
     if canary.ready is None:
-        return Verdict(None, "registered; waiting for the first canary")
+        return Verdict(None, "registered; waiting for the first canary" + peers)
     if canary.ready:
-        return Verdict(True, canary.reason + _progress_note(ep, policy, now))
-    return Verdict(False, canary.reason + (DISAGREES if engine_disagrees(ep) else ""))
+        return Verdict(True, canary.reason + _progress_note(ep, policy, now) + peers)
+    return Verdict(False, canary.reason + (DISAGREES if engine_disagrees(ep) else "") + peers)
 
 
 class Rule(StrEnum):

@@ -107,3 +107,44 @@ def test_new_weights_after_a_maintenance_window_set_a_new_reference(engine, side
     wait_until(lambda: count(side, "success") >= passed + 2, 4, what="two more canaries")
     assert count(side, "wrong_answer") == 0
     assert side.health()[0] == 200
+
+
+def test_failing_transfers_from_a_prefill_peer_are_reported_and_restart_nothing(engine, sidecar):
+    """A decode worker whose prefill peer was killed: the request answers 500 and NIXL's counters
+    move (failed transfers +2, failed notifications +1, as measured on a real pair); /health
+    stays 200 and says so, /live stays 200, the metrics count it."""
+    fake = engine("vllm", "decode")
+    side = sidecar(
+        CANARY_ON | {"SIDECAR_ENGINE_URL": fake.url, "SIDECAR_DISAGGREGATION_MODE": "decode"}
+    )
+    side.wait_status(200, 5)
+    fake.fault(kv_transfer_failure="peer_killed")
+    model = fake.http.get(f"{fake.url}/v1/models").json()["data"][0]["id"]
+    params = {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_block_ids": [0, 1],
+        "remote_engine_id": "prefill-0",
+        "remote_request_id": "req-1",
+        "remote_host": LOOPBACK,
+        "remote_port": 5600,
+    }
+    body = {"model": model, "prompt": [1, 2, 3], "max_tokens": 2, "kv_transfer_params": params}
+    assert fake.http.post(f"{fake.url}/v1/completions", json=body).status_code == 500
+    wait_until(
+        lambda: "KV transfers from prefill peers failing" in side.get("/health").json()["reason"],
+        3,
+        what="the transfer failures in /health",
+    )
+    status, health = side.health()
+    assert status == 200
+    transfers = health["checks"]["generate"]["kv_transfers"]
+    assert transfers["failing"] is True
+    assert transfers["failures_in_window"] == {"failed_transfers": 2, "failed_notifications": 1}
+    assert side.get("/live").status_code == 200
+    metrics = side.metrics()
+    failures = 'health_sidecar_kv_transfer_failures_total{endpoint="generate",kind='
+    assert failures + '"failed_transfers"} 2.0' in metrics
+    assert failures + '"failed_notifications"} 1.0' in metrics
+    assert 'health_sidecar_kv_transfers_failing{endpoint="generate"} 1.0' in metrics
+    assert "KV transfers from prefill peers failing" in side.proc.output()

@@ -1,4 +1,5 @@
-"""The lifecycle source (sleep, maintenance) and the answer check, as tables: pure functions, no
+"""The lifecycle source (sleep, maintenance), the KV-transfer source and the answer check, as
+tables: pure functions, no
 I/O, no clock of their own."""
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from sidecar.endpoint import (
     apply_canary,
     apply_lifecycle,
     apply_registration,
+    apply_transfers,
     canary_due,
     judged,
 )
@@ -23,6 +25,7 @@ from sidecar.evidence import lifecycle
 from sidecar.evidence.lifecycle import LifecycleState, sleeping_in
 from sidecar.evidence.policy import Policy
 from sidecar.evidence.result import Outcome, Result
+from sidecar.evidence.transfers import TransferState, on_transfers, read_transfers
 from sidecar.verdict import clocks, decide_liveness, endpoint_verdict
 
 POLICY = Policy(
@@ -224,3 +227,57 @@ def test_one_sleeping_rank_is_named():
     sleeping, why = sleeping_in(text, VllmProber.awake)
     assert sleeping is True
     assert why == 'vllm:engine_sleep_state{sleep_state="awake"} is 0 (engine 1)'
+
+
+# --- KV transfers from prefill peers -----------------------------------------------------------
+NIXL = """vllm:nixl_num_failed_transfers_total{{engine="0",model_name="tiny"}} {ft}
+vllm:nixl_num_failed_notifications_total{{engine="0",model_name="tiny"}} {fn}
+vllm:nixl_num_kv_expired_reqs_total{{engine="0",model_name="tiny"}} 0.0
+vllm:num_requests_kv_fetch_by_stage{{engine="0",model_name="tiny",stage="in_progress"}} {ip}
+vllm:num_requests_kv_fetch_by_stage{{engine="0",model_name="tiny",stage="completed_waiting"}} 7.0
+"""
+
+
+def nixl(at: float, ft: float = 0.0, fn: float = 0.0, ip: float = 0.0):
+    text = NIXL.format(ft=ft, fn=fn, ip=ip)
+    return read_transfers(text, VllmProber.transfers, at, 1e9 + at)
+
+
+def test_transfer_counters_are_read_by_kind():
+    sample = nixl(1.0, ft=2, fn=1, ip=1)
+    assert sample is not None
+    assert sample.failures == {
+        "failed_transfers": 2.0,
+        "failed_notifications": 1.0,
+        "expired_kv": 0.0,
+    }
+    assert sample.fetching == 1.0  # completed_waiting is not a fetch
+    assert read_transfers("vllm:num_requests_running 0\n", VllmProber.transfers, 1.0, 1.0) is None
+
+
+def test_failing_transfers_note_the_verdict_and_change_nothing_else():
+    ep = ready_endpoint()
+    ep = apply_transfers(ep, nixl(1.0))
+    assert endpoint_verdict(ep, POLICY, 1.0).reason == "canary passed in 10 ms"
+    ep = apply_transfers(ep, nixl(2.0, ft=2, fn=1))  # the prefill peer was killed
+    verdict = endpoint_verdict(ep, POLICY, 2.0)
+    assert verdict.ready is True
+    assert verdict.reason == (
+        "canary passed in 10 ms; KV transfers from prefill peers failing: 1 failed "
+        "notifications, 2 failed transfers in the last 60 s (the peer side: this worker serves "
+        "its own requests)"
+    )
+    assert clocks(ep) == {}
+    assert ep.transfers.counted == {"failed_transfers": 2.0, "failed_notifications": 1.0}
+    # A minute without another failure: the note is gone; the count stays.
+    later = apply_transfers(ep, nixl(63.0, ft=2, fn=1))
+    assert endpoint_verdict(later, POLICY, 63.0).reason == "canary passed in 10 ms"
+    assert later.transfers.counted["failed_transfers"] == 2.0
+
+
+def test_a_reset_counter_is_a_new_base_not_a_failure():
+    state = on_transfers(TransferState(), nixl(1.0, ft=5))
+    state = on_transfers(state, nixl(2.0, ft=0))  # the engine restarted
+    state = on_transfers(state, nixl(3.0, ft=0))
+    assert state.counted == {}
+    assert not state.failing(3.0)

@@ -633,7 +633,8 @@ def test_decode_waiting_on_a_frozen_prefill_stays_ready_and_live(vllm_pd_pair, s
 def test_decode_stays_ready_and_live_when_its_prefill_peer_is_killed(vllm_pd_pair, sidecar):
     """The prefill instance killed between its prefill and the decode's KV pull (the last test of
     the module: the pair is spent). The decode request fails fast; the decode worker itself is
-    fine, so it stays ready and live: restarting it would fix nothing."""
+    fine, so it stays ready and live: restarting it would fix nothing. NIXL's failure counters
+    tell /health that transfers from the peer fail."""
     prefill, decode = vllm_pd_pair
     side = sidecar(
         sidecar_env(
@@ -662,3 +663,11 @@ def test_decode_stays_ready_and_live_when_its_prefill_peer_is_killed(vllm_pd_pai
     assert seen == {200}
     assert live == {200}
     assert decode.health() == 200
+    # What NIXL counted on the decode side is said, attributed to the peer, and counted.
+    _, body = side.health()
+    print(f"REAL-VLLM prefill killed: /health reason: {body['reason']}")
+    assert "KV transfers from prefill peers failing: " in body["reason"]
+    transfers = body["checks"]["generate"]["kv_transfers"]
+    assert transfers["failing"] is True
+    assert transfers["failures_in_window"].get("failed_transfers", 0) >= 1
+    assert sidecar_metric(side, "health_sidecar_kv_transfer_failures_total") >= 1

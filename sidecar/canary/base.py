@@ -15,6 +15,7 @@ from sidecar.evidence.progress import (
     ProgressSpec,
     Series,
 )
+from sidecar.evidence.transfers import TransferSpec
 
 # Eight ordinary token ids: valid in every real vocabulary, and shorter than one KV block
 # (16 tokens in vLLM and SGLang by default), so a prefill never pins a full block.
@@ -70,6 +71,8 @@ class Prober:
     # The engine's "are you asleep" route (answers {"is_sleeping": bool}), and the gauge that is
     # 1 while it is awake (0 asleep) in its metrics; none for a backend that cannot sleep.
     sleep_path: ClassVar[str | None] = None
+    # The counters of failed KV transfers from prefill peers, and the requests fetching KV now.
+    transfers: ClassVar[TransferSpec | None] = None
     awake: ClassVar[tuple[Series, ...]] = ()
 
     def skip_reason(self, role: Role) -> str | None:

@@ -22,6 +22,7 @@ from sidecar.evidence.progress import (
     Series,
     series,
 )
+from sidecar.evidence.transfers import TransferSpec
 
 
 class VllmProber(Prober):
@@ -51,6 +52,20 @@ class VllmProber(Prober):
     sleep_path: ClassVar[str | None] = "/is_sleeping"
     awake: ClassVar[tuple[Series, ...]] = (
         Series("vllm:engine_sleep_state", (("sleep_state", "awake"),)),
+    )
+
+    # NIXL's counters on the decode side (only decode records transfers), measured on a real
+    # prefill/decode pair: a killed peer adds 2 failed transfers and 1 failed notification.
+    transfers: ClassVar[TransferSpec | None] = TransferSpec(
+        failures={
+            "failed_transfers": series("vllm:nixl_num_failed_transfers_total"),
+            "failed_notifications": series("vllm:nixl_num_failed_notifications_total"),
+            "expired_kv": series("vllm:nixl_num_kv_expired_reqs_total"),
+        },
+        fetching=(
+            Series("vllm:num_requests_kv_fetch_by_stage", (("stage", "waiting_to_start"),)),
+            Series("vllm:num_requests_kv_fetch_by_stage", (("stage", "in_progress"),)),
+        ),
     )
 
     def skip_reason(self, role: Role) -> str | None:
