@@ -15,7 +15,7 @@ import re
 from collections.abc import Mapping
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
 from dotenv import dotenv_values
@@ -337,6 +337,27 @@ class Settings(BaseSettings):
         ge=1024,
         le=64 * 1_048_576,
     )
+    dp_ranks: int | Literal["auto"] = _env(
+        "SIDECAR_DP_RANKS",
+        1,
+        "Data-parallel ranks of the engine (vLLM --data-parallel-size, SGLang --dp-size): each "
+        "gets its own canary pinned to it (vLLM's X-data-parallel-rank header, SGLang's "
+        "data_parallel_rank field), its own progress (vLLM's engine label) and its own line in "
+        "/health. auto: counted from the engine's metrics (the engine labels of vLLM's in-flight "
+        "gauge); until then one unpinned canary.",
+        "an integer from 1 to 1024, or auto",
+    )
+    dp_min_ready_ranks: int | None = _env(
+        "SIDECAR_DP_MIN_READY_RANKS",
+        None,
+        "Ranks that must be ready for the endpoint to be ready. Unset: every rank. Below the "
+        "rank count, a wedged rank leaves /health at 200 with the endpoint 'degraded' and the "
+        "rank named; its liveness clock still runs (a restart is the only cure for a wedged "
+        "rank).",
+        "an integer from 1 to 1024, at most SIDECAR_DP_RANKS",
+        ge=1,
+        le=1024,
+    )
     check_answer: bool = _env(
         "SIDECAR_CANARY_CHECK_ANSWER",
         False,
@@ -378,6 +399,20 @@ class Settings(BaseSettings):
     )
 
     # --- field parsing -------------------------------------------------------------------------
+    @field_validator("dp_ranks", mode="before")
+    @classmethod
+    def _ranks(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            text = value.strip()
+            if text == "auto":
+                return "auto"
+            if not text.isdigit() or not 1 <= int(text) <= 1024:
+                raise ValueError("not an integer from 1 to 1024, nor auto")
+            return int(text)
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 1024:
+            raise ValueError("not an integer from 1 to 1024, nor auto")
+        return value
+
     @field_validator("use_endpoint_health_status", mode="before")
     @classmethod
     def _parse_endpoint_list(cls, value: Any) -> Any:
@@ -537,6 +572,26 @@ def _cross_checks(s: Settings) -> list[str]:
                 f"{env_name(field)}={path!r}: expected a path not already used by "
                 f"{RESERVED_ROUTES[path]}"
             )
+    pins = s.backend in (Backend.VLLM, Backend.SGLANG)
+    if s.dp_ranks != 1 and not pins:
+        lines.append(
+            f"{env_name('dp_ranks')}={s.dp_ranks}: expected 1 ({s.backend} cannot pin a request "
+            "to a data-parallel rank, so ranks cannot be told apart)"
+        )
+    if s.dp_ranks == "auto" and s.backend is Backend.SGLANG:
+        lines.append(
+            f"{env_name('dp_ranks')}=auto: expected a number (SGLang's metrics do not tell "
+            "ranks apart, so they cannot be counted)"
+        )
+    if (
+        s.dp_min_ready_ranks is not None
+        and isinstance(s.dp_ranks, int)
+        and s.dp_min_ready_ranks > s.dp_ranks
+    ):
+        lines.append(
+            f"{env_name('dp_min_ready_ranks')}={s.dp_min_ready_ranks}: expected at most "
+            f"{env_name('dp_ranks')} ({s.dp_ranks})"
+        )
     if s.control_port is not None and s.control_port == s.system_port:
         lines.append(
             f"{env_name('control_port')}={s.control_port}: expected a port other than "

@@ -217,7 +217,7 @@ class EngineClient:
             request.method,
             request.path,
             json_body=request.body,
-            headers={"X-Request-Id": request.request_id},
+            headers={**request.headers, "X-Request-Id": request.request_id},
         )
         if isinstance(answer, NoAnswer):
             return result(answer.outcome, answer.reason)

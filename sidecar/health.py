@@ -27,6 +27,7 @@ from sidecar.endpoint import (
     judged,
 )
 from sidecar.evidence import lifecycle
+from sidecar.evidence.canary import CanaryState
 from sidecar.evidence.lifecycle import LifecycleState
 from sidecar.evidence.policy import Policy
 from sidecar.evidence.progress import CanaryCost, ProgressSample, ProgressSpec
@@ -41,6 +42,7 @@ from sidecar.verdict import (
     decide_readiness,
     endpoint_verdict,
     engine_disagrees,
+    rank_verdict,
 )
 
 log = logging.getLogger("sidecar.health")
@@ -79,7 +81,10 @@ class Listener:
 
 @dataclass(frozen=True)
 class Snapshot:
-    """Everything a reader needs, consistent with itself."""
+    """Everything a reader needs, consistent with itself.
+
+    ``endpoints`` and ``verdicts`` are per unit: an endpoint ("generate"), or one data-parallel
+    rank of it ("generate/rank1"); ``endpoint_verdicts`` per endpoint, its ranks combined."""
 
     endpoints: Mapping[str, EndpointState]
     verdicts: Mapping[str, Verdict]
@@ -89,6 +94,15 @@ class Snapshot:
     policy: Policy = field(default_factory=Policy)
     listed: tuple[str, ...] = ()
     starting: StartingStatus = StartingStatus.NOTREADY
+    units: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # endpoint -> units
+    endpoint_verdicts: Mapping[str, Verdict] = field(default_factory=dict)
+    min_ready: int | None = None  # SIDECAR_DP_MIN_READY_RANKS
+    rank_of: Mapping[str, int | None] = field(default_factory=dict)  # unit -> its rank
+
+    def ranked(self, endpoint: str) -> bool:
+        """The endpoint is checked rank by rank."""
+        units = self.units.get(endpoint, ())
+        return units != (endpoint,)
 
     def stale_for(self, now: float) -> float | None:
         """Seconds the monitor has been silent, when that is too long; else None."""
@@ -112,11 +126,9 @@ class Health:
         self.policy = policy_from(settings)
         self.clock = clock
         self.started = clock()
-        self.plans = {p.endpoint: p for p in plans}
+        self.plans = {p.unit: p for p in plans}
         self.listeners: list[Listener] = []
-        endpoints = {
-            p.endpoint: EndpointState(p.endpoint, p.enabled, p.why) for p in self.plans.values()
-        }
+        endpoints = {u: EndpointState(u, p.enabled, p.why) for u, p in self.plans.items()}
         self.snapshot = self._make(endpoints, {n: settings.model for n in endpoints}, False)
         self._last_ready: bool | None = None
         self._last_live = True
@@ -129,20 +141,69 @@ class Health:
         draining: bool,
     ) -> Snapshot:
         now = self.clock()
+        verdicts = {n: endpoint_verdict(ep, self.policy, now) for n, ep in endpoints.items()}
+        units: dict[str, tuple[str, ...]] = {}
+        for unit, plan in self.plans.items():
+            units[plan.endpoint] = (*units.get(plan.endpoint, ()), unit)
+        need = self.settings.dp_min_ready_ranks
+        combined = {
+            endpoint: verdicts[members[0]]
+            if members == (endpoint,)
+            else rank_verdict({u: verdicts[u] for u in members}, need)
+            for endpoint, members in units.items()
+        }
         return Snapshot(
             endpoints=dict(endpoints),
-            verdicts={n: endpoint_verdict(ep, self.policy, now) for n, ep in endpoints.items()},
+            verdicts=verdicts,
             models=dict(models),
             draining=draining,
             heartbeat=now,
             policy=self.policy,
             listed=self.settings.use_endpoint_health_status,
             starting=self.settings.starting_health_status,
+            units=units,
+            endpoint_verdicts=combined,
+            min_ready=need,
+            rank_of={u: p.rank for u, p in self.plans.items()},
         )
+
+    def set_ranks(self, ranks: int) -> dict[str, CanaryPlan]:
+        """Check each endpoint rank by rank from now on (SIDECAR_DP_RANKS=auto, once the engine's
+        metrics told how many): each rank gets a fresh canary source and keeps what the engine
+        said of registration and lifecycle. Returns the new plans by unit."""
+        snap = self.snapshot
+        now = self.clock()
+        plans: dict[str, CanaryPlan] = {}
+        endpoints: dict[str, EndpointState] = {}
+        models: dict[str, str | None] = {}
+        for unit, plan in self.plans.items():
+            before = snap.endpoints[unit]
+            for rank in range(ranks):
+                ranked = plan.for_rank(rank)
+                due = now if before.registration.registered and ranked.enabled else None
+                plans[ranked.unit] = ranked
+                endpoints[ranked.unit] = replace(
+                    EndpointState(ranked.unit, ranked.enabled, ranked.why),
+                    registration=before.registration,
+                    lifecycle=before.lifecycle,
+                    canary=CanaryState(next_due=due),
+                )
+                models[ranked.unit] = snap.models.get(unit)
+        log.info(
+            "checking %d data-parallel ranks (%s), each with its own canary",
+            ranks,
+            ", ".join(plans),
+        )
+        self.plans = plans
+        self.snapshot = self._make(endpoints, models, snap.draining)
+        self._log_worker()
+        return plans
 
     # --- writers: the monitor's thread only ----------------------------------------------------
     def record_registration(self, name: str, result: Result) -> None:
-        before = self.snapshot.endpoints[name]
+        before = self.snapshot.endpoints.get(name)
+        if before is None:  # a unit replaced by its ranks meanwhile
+            return
         after = apply_registration(before, result, self.policy)
         if before.registration.registered != after.registration.registered:
             log.info(
@@ -166,7 +227,9 @@ class Health:
         cost: CanaryCost | None = None,
         suspected: bool = False,
     ) -> None:
-        before = self.snapshot.endpoints[name]
+        before = self.snapshot.endpoints.get(name)
+        if before is None:  # a unit replaced by its ranks meanwhile
+            return
         result = judged(before, result, self.policy)
         for listener in self.listeners:
             listener.on_canary(name, result)
@@ -209,7 +272,9 @@ class Health:
         spec: ProgressSpec,
         own: CanaryCost | None = None,
     ) -> None:
-        before = self.snapshot.endpoints[name]
+        before = self.snapshot.endpoints.get(name)
+        if before is None:  # a unit replaced by its ranks meanwhile
+            return
         after = apply_sample(before, sample, why, spec, own)
         said = (after.progress.readable, after.progress.why)
         if self._progress_said.get(name) != said:  # once per change, not per incarnation
@@ -228,7 +293,9 @@ class Health:
         self, name: str, sleeping: bool | None, why: str, *, gauge: bool, missing: bool = False
     ) -> None:
         """What the engine's sleep route (``gauge`` False) or sleep-state gauge said."""
-        before = self.snapshot.endpoints[name]
+        before = self.snapshot.endpoints.get(name)
+        if before is None:  # a unit replaced by its ranks meanwhile
+            return
         now = self.clock()
         if gauge:
             after = lifecycle.on_sleep_gauge(before.lifecycle, sleeping, why, now)
@@ -239,7 +306,9 @@ class Health:
         self._pause_change(name, before.lifecycle, after)
 
     def record_transfers(self, name: str, sample: TransferSample | None) -> None:
-        before = self.snapshot.endpoints[name]
+        before = self.snapshot.endpoints.get(name)
+        if before is None:  # a unit replaced by its ranks meanwhile
+            return
         after = apply_transfers(before, sample)
         now = self.clock()
         was, is_ = before.transfers.failing(now), after.transfers.failing(now)
@@ -299,7 +368,9 @@ class Health:
 
     def _commit(self, name: str, after: EndpointState) -> None:
         snap = self.snapshot
-        before = snap.endpoints[name]
+        before = snap.endpoints.get(name)
+        if before is None:  # a unit replaced meanwhile (ranks discovered): nothing to apply
+            return
         if after == before:
             self.snapshot = replace(snap, heartbeat=self.clock())
             return
@@ -308,9 +379,25 @@ class Health:
         self.snapshot = new
         if was.ready != now.ready:
             label = {True: "ready", False: "notready", None: "unknown"}[now.ready]
-            log.info("%s: endpoint %s: %s", name, label, now.reason)
+            log.info(
+                "%s: %s %s: %s",
+                name,
+                "rank" if name not in new.units else "endpoint",
+                label,
+                now.reason,
+            )
             for listener in self.listeners:
                 listener.on_transition(name, label)
+        endpoint = self.plans[name].endpoint
+        if new.ranked(endpoint):
+            old_e, new_e = snap.endpoint_verdicts[endpoint], new.endpoint_verdicts[endpoint]
+            if (old_e.ready, old_e.degraded) != (new_e.ready, new_e.degraded):
+                state = (
+                    "degraded"
+                    if new_e.degraded
+                    else {True: "ready", False: "notready", None: "unknown"}[new_e.ready]
+                )
+                log.info("%s: endpoint %s: %s", endpoint, state, new_e.reason)
         if engine_disagrees(after) and not engine_disagrees(before):
             log.warning("%s: the engine's own health route answers 200 while it is hung", name)
             for listener in self.listeners:
@@ -346,7 +433,9 @@ def readiness_of(snap: Snapshot, now: float) -> Readiness:
         return Readiness(
             False, Rule.STALE, f"the monitor has not run for {stale:.1f} s: the verdict is stale"
         )
-    return decide_readiness(snap.verdicts, snap.listed, snap.starting, draining=snap.draining)
+    return decide_readiness(
+        snap.endpoint_verdicts, snap.listed, snap.starting, draining=snap.draining
+    )
 
 
 def liveness_of(snap: Snapshot, now: float) -> Liveness:

@@ -89,8 +89,9 @@ class _VerdictCollector(Collector):
             "Unix time of the last passed canary (absent before the first).",
             labels=["endpoint"],
         )
+        for name, verdict in snap.endpoint_verdicts.items():
+            ready.add_metric([name], bool(verdict.ready))
         for name, ep in snap.endpoints.items():
-            ready.add_metric([name], bool(snap.verdicts[name].ready))
             registered.add_metric([name], bool(ep.registration.registered))
             failures.add_metric([name], ep.canary.failures)
             if ep.canary.last_success_wall is not None:
@@ -166,7 +167,24 @@ class _VerdictCollector(Collector):
             failing.add_metric([name], ep.transfers.failing(now))
         yield transfers
         yield failing
-        yield from (ready, registered, failures, last_success)
+        rank_ready = GaugeMetricFamily(
+            f"{PREFIX}_rank_ready",
+            "1 if the data-parallel rank is ready (its own canary passes); absent without ranks.",
+            labels=["endpoint", "rank"],
+        )
+        degraded = GaugeMetricFamily(
+            f"{PREFIX}_endpoint_degraded",
+            "1 while the endpoint is ready with a data-parallel rank down, as "
+            "SIDECAR_DP_MIN_READY_RANKS allows.",
+            labels=["endpoint"],
+        )
+        for endpoint, units in snap.units.items():
+            degraded.add_metric([endpoint], snap.endpoint_verdicts[endpoint].degraded)
+            if snap.ranked(endpoint):
+                for unit in units:
+                    rank = snap.rank_of.get(unit)
+                    rank_ready.add_metric([endpoint, str(rank)], bool(snap.verdicts[unit].ready))
+        yield from (ready, registered, failures, last_success, rank_ready, degraded)
         yield from (in_flight, stalled, readable, disagrees, last_progress, clock)
         yield GaugeMetricFamily(
             f"{PREFIX}_liveness_window_seconds",

@@ -25,7 +25,13 @@ from sidecar.canary import CanaryPlan
 from sidecar.endpoint import canary_due, suspected
 from sidecar.engine import EngineClient
 from sidecar.evidence.lifecycle import sleeping_in
-from sidecar.evidence.progress import MetricsUnreadable, ProgressSample, ProgressSpec, read_progress
+from sidecar.evidence.progress import (
+    MetricsUnreadable,
+    ProgressSample,
+    ProgressSpec,
+    ranks_in,
+    read_progress,
+)
 from sidecar.evidence.result import Outcome, Result
 from sidecar.evidence.transfers import read_transfers
 from sidecar.health import HEARTBEAT_INTERVAL, Health
@@ -47,33 +53,85 @@ class Monitor:
         client: EngineClient,
         registration_path: str,
         registration_interval: float,
-        progress: ProgressSpec | None = None,
+        *,
+        watch_progress: bool = False,
+        metrics_path: str | None = None,
         metrics_interval: float = 1.0,
+        discover_ranks: bool = False,
     ) -> None:
         self.health = health
         self.client = client
         self.registration_path = registration_path
         self.registration_interval = registration_interval
-        self.progress = progress
+        self.watch_progress = watch_progress
+        self.metrics_path = metrics_path
         self.metrics_interval = metrics_interval
+        self.discover_ranks = discover_ranks
         self._changed = asyncio.Event()
-        # Canaries sent, and finished, so far: each metrics read notes both.
-        self._sent: dict[str, int] = dict.fromkeys(health.plans, 0)
-        self._done: dict[str, int] = dict.fromkeys(health.plans, 0)
+        # Canaries sent, and finished, so far, per unit: each metrics read notes both.
+        self._sent: dict[str, int] = {}
+        self._done: dict[str, int] = {}
+        self._group: asyncio.TaskGroup | None = None
+        self._tasks: dict[str, list[asyncio.Task[None]]] = {}  # per unit
 
     async def run(self) -> None:
         """Run until cancelled. An unexpected error in any loop propagates (and stops the rest)."""
         async with asyncio.TaskGroup() as group:
+            self._group = group
             group.create_task(self._heartbeat(), name="heartbeat")
             group.create_task(self._maintenance_timer(), name="maintenance")
             for name, plan in self.health.plans.items():
-                group.create_task(self._registration_loop(name, plan), name=f"registration:{name}")
-                if plan.enabled:
-                    group.create_task(self._canary_loop(name, plan), name=f"canary:{name}")
-                    if self.progress is not None:
-                        group.create_task(
-                            self._progress_loop(name, self.progress), name=f"progress:{name}"
-                        )
+                self._start_unit(name, plan)
+            if self.discover_ranks:
+                template = next(iter(self.health.plans.values()))
+                group.create_task(self._discover_ranks(template), name="discover-ranks")
+
+    def _start_unit(self, name: str, plan: CanaryPlan) -> None:
+        """The loops of one unit (an endpoint, or one rank of it), owned by the TaskGroup."""
+        assert self._group is not None
+        group = self._group
+        self._sent.setdefault(name, 0)
+        self._done.setdefault(name, 0)
+        tasks = [
+            group.create_task(self._registration_loop(name, plan), name=f"registration:{name}")
+        ]
+        if plan.enabled:
+            tasks.append(group.create_task(self._canary_loop(name, plan), name=f"canary:{name}"))
+            if self.watch_progress:
+                spec = plan.progress_spec(self.metrics_path)
+                tasks.append(
+                    group.create_task(self._progress_loop(name, spec), name=f"progress:{name}")
+                )
+        self._tasks[name] = tasks
+
+    async def _discover_ranks(self, template: CanaryPlan) -> None:
+        """SIDECAR_DP_RANKS=auto: count the ranks in the engine's metrics once they answer; more
+        than one, and the endpoint is checked rank by rank from then on."""
+        label = template.prober.rank_label
+        assert label is not None  # the configuration refuses auto without one
+        spec = template.progress_spec(self.metrics_path)
+        while True:
+            text, _ = await self.client.metrics_text(spec.path)
+            found = ranks_in(text, (*spec.running, *spec.waiting), label) if text else ()
+            if found:
+                break
+            await asyncio.sleep(self.registration_interval)
+        log.info(
+            "the engine's metrics show %d data-parallel rank(s) (%s=%s)",
+            len(found),
+            label,
+            ",".join(map(str, found)),
+        )
+        if len(found) < 2:
+            return
+        old = list(self._tasks)
+        plans = self.health.set_ranks(len(found))
+        for name in old:
+            for task in self._tasks.pop(name):
+                task.cancel()
+        for name, plan in plans.items():
+            self._start_unit(name, plan)
+        self._changed_now()
 
     def _changed_now(self) -> None:
         """Wake the canary loops: the state changed."""
@@ -170,20 +228,18 @@ class Monitor:
             started = loop.time()
             sample, why, text = await self._read_text(name, spec)
             self.health.record_sample(name, sample, why, spec, own)
-            if text is not None and plan.prober.transfers is not None:
-                transfers = read_transfers(
-                    text, plan.prober.transfers, self.health.clock(), time.time()
-                )
+            if text is not None and plan.transfers is not None:
+                transfers = read_transfers(text, plan.transfers, self.health.clock(), time.time())
                 self.health.record_transfers(name, transfers)
-            if text is not None and plan.prober.awake:
-                sleeping, what = sleeping_in(text, plan.prober.awake)
+            if text is not None and plan.awake:
+                sleeping, what = sleeping_in(text, plan.awake)
                 self.health.record_sleep(name, sleeping, f"{spec.path}: {what}", gauge=True)
             self._changed_now()
             await asyncio.sleep(max(0.0, started + self.metrics_interval - loop.time()))
 
     async def _canary_loop(self, name: str, plan: CanaryPlan) -> None:
         policy = self.health.policy
-        spec = self.progress
+        spec = plan.progress_spec(self.metrics_path) if self.watch_progress else None
         while True:
             changed = self._changed
             ep = self.health.snapshot.endpoints[name]

@@ -94,6 +94,32 @@ def _lifecycle_lines(plan: CanaryPlan, s: Settings) -> list[str]:
     return [sleep, control]
 
 
+def _rank_lines(plan: CanaryPlan, s: Settings) -> list[str]:
+    if s.dp_ranks == 1:
+        return ["ranks          1 (SIDECAR_DP_RANKS): the server is checked as one"]
+    prober = plan.prober
+    pin = (
+        f"header {prober.rank_header}: <rank>"
+        if prober.rank_header
+        else f"body field {prober.rank_field}: <rank>"
+    )
+    count = (
+        "counted from the engine's metrics once they answer (one unpinned canary until then)"
+        if s.dp_ranks == "auto"
+        else f"{s.dp_ranks}"
+    )
+    need = "every rank" if s.dp_min_ready_ranks is None else f"{s.dp_min_ready_ranks}"
+    progress = (
+        f"its own progress ({prober.rank_label}=<rank>)"
+        if prober.rank_label
+        else "no per-rank progress (the metrics do not tell ranks apart)"
+    )
+    return [
+        f"ranks          {count} (SIDECAR_DP_RANKS): each its own canary ({pin}), {progress}",
+        f"  ready when   {need} ready (SIDECAR_DP_MIN_READY_RANKS); fewer but enough: degraded",
+    ]
+
+
 def render(settings: Settings) -> str:
     plan = plan_canary(settings)
     registration = settings.registration_path or plan.prober.registration_path
@@ -161,6 +187,7 @@ def render(settings: Settings) -> str:
         "connections, or rejects a canary that never passed (4xx)",
         *_progress_lines(plan, s),
         *_lifecycle_lines(plan, s),
+        *_rank_lines(plan, s),
         f"shutdown       on SIGTERM: readiness draining (503), /live 200, until the engine is "
         f"gone or {s.drain_timeout:g} s have passed; then exit 0",
         f"serving        http://{s.system_host}:{s.system_port}  {s.health_path} (readiness)  "

@@ -115,12 +115,12 @@ def _check(ep: EndpointState, snap: Snapshot, now: float) -> dict[str, Any]:
 def health_body(snap: Snapshot, started: float, now: float) -> tuple[bool, dict[str, Any]]:
     readiness = readiness_of(snap, now)
     endpoints = {}
-    for name, verdict in snap.verdicts.items():
+    for name, verdict in snap.endpoint_verdicts.items():
         ready = verdict.ready
         if ready is None:
             ready = snap.starting is StartingStatus.READY
         endpoints[name] = "ready" if ready else "notready"
-    body = {
+    body: dict[str, Any] = {
         "status": "ready" if readiness.ready else "notready",
         "uptime": uptime(started, now),
         "endpoints": endpoints,
@@ -129,7 +129,24 @@ def health_body(snap: Snapshot, started: float, now: float) -> tuple[bool, dict[
         "reason": readiness.reason,
         "checks": {name: _check(ep, snap, now) for name, ep in snap.endpoints.items()},
     }
+    ranked = [e for e in snap.units if snap.ranked(e)]
+    if ranked:
+        body["ranks"] = {e: _ranks(snap, e) for e in ranked}
     return readiness.ready, body
+
+
+def _ranks(snap: Snapshot, endpoint: str) -> dict[str, Any]:
+    """One endpoint's data-parallel ranks: how many, which are ready, what the policy needs."""
+    units = snap.units[endpoint]
+    verdict = snap.endpoint_verdicts[endpoint]
+    return {
+        "count": len(units),
+        "required": len(units) if snap.min_ready is None else min(snap.min_ready, len(units)),
+        "ready": [u for u in units if snap.verdicts[u].ready],
+        "notready": [u for u in units if snap.verdicts[u].ready is False],
+        "degraded": verdict.degraded,
+        "reason": verdict.reason,
+    }
 
 
 def live_body(snap: Snapshot, started: float, now: float) -> tuple[bool, dict[str, Any]]:

@@ -17,7 +17,7 @@ import logging
 import signal
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import uvicorn
 from fastapi import FastAPI
@@ -46,7 +46,13 @@ class Parts:
 
 def build(settings: Settings) -> Parts:
     plan = plan_canary(settings)
-    health = Health(settings, [plan])
+    ranks = settings.dp_ranks
+    # A fixed rank count: one plan per rank from the start; auto: one unpinned plan until the
+    # engine's metrics tell (the monitor then splits it).
+    plans = (
+        [plan.for_rank(r) for r in range(ranks)] if isinstance(ranks, int) and ranks > 1 else [plan]
+    )
+    health = Health(settings, plans)
     metrics = Metrics(health)
     key = settings.engine_api_key
     history = History(secrets=[key.get_secret_value()] if key else [])
@@ -95,17 +101,15 @@ class MonitorThread:
             api_key=settings.engine_api_key.get_secret_value() if settings.engine_api_key else None,
             clock=parts.health.clock,
         )
-        watch_progress = settings.health_check_enabled and settings.progress_enabled
-        spec = parts.plan.prober.progress
-        if settings.metrics_path is not None:
-            spec = replace(spec, path=settings.metrics_path)
         monitor = Monitor(
             parts.health,
             client,
             parts.registration_path,
             settings.registration_interval,
-            progress=spec if watch_progress else None,
+            watch_progress=settings.health_check_enabled and settings.progress_enabled,
+            metrics_path=settings.metrics_path,
             metrics_interval=settings.metrics_interval,
+            discover_ranks=settings.dp_ranks == "auto" and parts.plan.enabled,
         )
         try:
             await monitor.run()

@@ -57,6 +57,7 @@ from sidecar.evidence.policy import Policy
 class Verdict:
     ready: bool | None  # None: no verdict yet
     reason: str
+    degraded: bool = False  # ready with a data-parallel rank down, as the policy allows
 
 
 def engine_disagrees(ep: EndpointState) -> bool:
@@ -107,6 +108,44 @@ def endpoint_verdict(ep: EndpointState, policy: Policy, now: float) -> Verdict:
     if canary.ready:
         return Verdict(True, canary.reason + _progress_note(ep, policy, now) + peers)
     return Verdict(False, canary.reason + (DISAGREES if engine_disagrees(ep) else "") + peers)
+
+
+def rank_verdict(units: Mapping[str, Verdict], need: int | None) -> Verdict:
+    """One endpoint's verdict from its data-parallel ranks' (unit name -> verdict). ``need``:
+    ranks that must be ready (SIDECAR_DP_MIN_READY_RANKS; None: all).
+
+    ======================================  =========  ==========================================
+    ranks                                   verdict    reason
+    ======================================  =========  ==========================================
+    every one ready                         ready      N of N ranks ready
+    at least ``need`` ready, others not     ready      degraded: R of N ranks ready, ``need``
+                                            degraded   required; <rank>: <its reason>
+    fewer ready, but the undecided could    none       R of N ranks ready, ``need`` required; no
+    make up ``need``                                   verdict yet for <ranks>
+    fewer ready                             notready   R of N ranks ready, ``need`` required;
+                                                       <rank>: <its reason>
+    ======================================  =========  ==========================================
+    """
+    total = len(units)
+    required = total if need is None else min(need, total)
+    ready = [n for n, v in units.items() if v.ready]
+    undecided = [n for n, v in units.items() if v.ready is None]
+    down = [n for n, v in units.items() if v.ready is False]
+    head = f"{len(ready)} of {total} ranks ready"
+    detail = "; ".join(f"{n}: {units[n].reason}" for n in down)
+    if len(ready) == total:
+        return Verdict(True, head)
+    if len(ready) >= required:
+        waiting = f"; no verdict yet for {', '.join(undecided)}" if undecided else ""
+        sep = "; " if detail else ""
+        return Verdict(
+            True, f"degraded: {head}, {required} required{waiting}{sep}{detail}", degraded=True
+        )
+    if len(ready) + len(undecided) >= required:
+        return Verdict(
+            None, f"{head}, {required} required; no verdict yet for {', '.join(undecided)}"
+        )
+    return Verdict(False, f"{head}, {required} required; {detail}")
 
 
 class Rule(StrEnum):

@@ -356,6 +356,15 @@ def kind_of(name: str) -> Kind | None:
             st.integers(1, 65535).filter(lambda p: p != 9090).map(str),
             parsed=int,
         ),
+        "SIDECAR_DP_RANKS": lambda: Kind(
+            st.one_of(
+                st.integers(max_value=0).map(str),
+                st.integers(min_value=1025).map(str),
+                SAFE_NAME.filter(lambda v: not v.isdigit() and v != "auto"),
+            ),
+            st.one_of(st.integers(1, 1024).map(str), st.just("auto")),
+            parsed=lambda v: v if v == "auto" else int(v),
+        ),
         "SIDECAR_MODEL": lambda: Kind(
             st.text(alphabet=" \t\n\r\x0b\x0c\u00a0\u2003\u3000", min_size=1),
             ANY_TEXT.filter(lambda v: v.strip() != ""),
@@ -433,8 +442,12 @@ def test_valid_value_is_taken_as_given(
     kind = kind_of(name)
     assert kind is not None
     value = data.draw(kind.valid, label=name)
-    # The control token guards the control routes, which need their port.
-    needs = {"SIDECAR_CONTROL_PORT": "9091"} if name == "SIDECAR_CONTROL_TOKEN" else {}
+    # The control token guards the control routes, which need their port; a minimum of ready
+    # ranks needs as many ranks.
+    needs = {
+        "SIDECAR_CONTROL_TOKEN": {"SIDECAR_CONTROL_PORT": "9091"},
+        "SIDECAR_DP_MIN_READY_RANKS": {"SIDECAR_DP_RANKS": "1024"},
+    }.get(name, {})
     loaded = load(monkeypatch, **{name: value}, **needs)
     key, _ = field_of(name)
     got = getattr(loaded, key)
@@ -491,6 +504,8 @@ SAMPLE_MALFORMED: dict[str, str] = {
     "SIDECAR_CANARY_CHECK_ANSWER": "maybe",
     "SIDECAR_CONTROL_PORT": "0",
     "SIDECAR_MAINTENANCE_MAX": "0",
+    "SIDECAR_DP_RANKS": "0",
+    "SIDECAR_DP_MIN_READY_RANKS": "0",
 }
 
 

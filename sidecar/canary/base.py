@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 from sidecar.config import Backend, Mode, ModelType
@@ -45,6 +46,7 @@ class CanaryRequest:
     request_id: str
     # Tokens the engine must report generating; None when the body is a user override.
     expected_tokens: int | None
+    headers: Mapping[str, str] = field(default_factory=dict)  # besides X-Request-Id
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,11 @@ class Prober:
     # The engine's "are you asleep" route (answers {"is_sleeping": bool}), and the gauge that is
     # 1 while it is awake (0 asleep) in its metrics; none for a backend that cannot sleep.
     sleep_path: ClassVar[str | None] = None
+    # How a request is pinned to one data-parallel rank (a header, or a body field), and the
+    # label that tells ranks apart in the engine's metrics; None where the backend has none.
+    rank_header: ClassVar[str | None] = None
+    rank_field: ClassVar[str | None] = None
+    rank_label: ClassVar[str | None] = None
     # The counters of failed KV transfers from prefill peers, and the requests fetching KV now.
     transfers: ClassVar[TransferSpec | None] = None
     awake: ClassVar[tuple[Series, ...]] = ()
@@ -132,12 +139,50 @@ class CanaryPlan:
     role: Role
     path: str
     override: dict[str, Any] | None = field(default=None)
+    rank: int | None = None  # the data-parallel rank every canary of this plan is pinned to
+
+    @property
+    def unit(self) -> str:
+        """What this plan checks: the endpoint, or one rank of it ("generate/rank1")."""
+        return self.endpoint if self.rank is None else f"{self.endpoint}/rank{self.rank}"
+
+    def for_rank(self, rank: int) -> CanaryPlan:
+        return replace(self, rank=rank)
 
     def request(self, model: str | None, request_id: str) -> CanaryRequest:
         if self.override is not None:
-            return CanaryRequest("POST", self.path, dict(self.override), request_id, None)
-        body, tokens = self.prober.body(self.role, model, request_id)
-        return CanaryRequest("POST", self.path, body, request_id, tokens)
+            request = CanaryRequest("POST", self.path, dict(self.override), request_id, None)
+        else:
+            body, tokens = self.prober.body(self.role, model, request_id)
+            request = CanaryRequest("POST", self.path, body, request_id, tokens)
+        return self._pinned(request)
+
+    def _pinned(self, request: CanaryRequest) -> CanaryRequest:
+        if self.rank is None:
+            return request
+        prober = self.prober
+        if prober.rank_header is not None:
+            return replace(request, headers={prober.rank_header: str(self.rank)})
+        assert prober.rank_field is not None, f"{prober.backend} cannot pin a rank"
+        return replace(request, body={**request.body, prober.rank_field: self.rank})
+
+    def _scope(self) -> tuple[str | None, str]:
+        label = self.prober.rank_label if self.rank is not None else None
+        return label, str(self.rank)
+
+    def progress_spec(self, path: str | None = None) -> ProgressSpec:
+        """The backend's progress series, of this plan's rank only; ``path`` overrides."""
+        spec = self.prober.progress.scoped(*self._scope())
+        return spec if path is None else replace(spec, path=path)
+
+    @property
+    def awake(self) -> tuple[Series, ...]:
+        return tuple(s.scoped(*self._scope()) for s in self.prober.awake)
+
+    @property
+    def transfers(self) -> TransferSpec | None:
+        spec = self.prober.transfers
+        return None if spec is None else spec.scoped(*self._scope())
 
     def problem(self, answer: Any, expected_tokens: int | None) -> str | None:
         if self.override is not None:

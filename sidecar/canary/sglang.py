@@ -31,6 +31,9 @@ class SglangProber(Prober):
     # tokenizer manager once the model is loaded, at no cost to the scheduler.
     registration_path: ClassVar[str] = "/v1/models"
     needs_model: ClassVar[bool] = False
+    # GenerateReqInput.data_parallel_rank routes a request to one DP rank. No per-rank label of
+    # SGLang's metrics was measured here: ranks get their own canary, not their own progress.
+    rank_field: ClassVar[str | None] = "data_parallel_rank"
     progress: ClassVar[ProgressSpec] = ProgressSpec(
         path="/metrics",  # needs --enable-metrics; served gzip-compressed when the client allows
         running=series("sglang:num_running_reqs"),

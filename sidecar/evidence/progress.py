@@ -35,6 +35,10 @@ class Series:
     def matches(self, labels: Mapping[str, str]) -> bool:
         return all(labels.get(k) == v for k, v in self.labels)
 
+    def scoped(self, label: str | None, value: str) -> Series:
+        """The same series restricted to one value of ``label`` (one data-parallel rank)."""
+        return self if label is None else Series(self.name, (*self.labels, (label, value)))
+
     def __str__(self) -> str:
         if not self.labels:
             return self.name
@@ -55,6 +59,22 @@ class ProgressSpec:
     counters: Mapping[str, tuple[Series, ...]]  # category -> totals that advance with work
     # Requests waiting on something outside the engine (a KV transfer from a prefill peer).
     peer_wait: tuple[Series, ...] = ()
+
+    def scoped(self, label: str | None, value: str) -> ProgressSpec:
+        """Every series restricted to one value of ``label`` (one data-parallel rank)."""
+        if label is None:
+            return self
+
+        def each(group: tuple[Series, ...]) -> tuple[Series, ...]:
+            return tuple(s.scoped(label, value) for s in group)
+
+        return replace(
+            self,
+            running=each(self.running),
+            waiting=each(self.waiting),
+            counters={c: each(g) for c, g in self.counters.items()},
+            peer_wait=each(self.peer_wait),
+        )
 
     def names(self) -> list[str]:
         every = [*self.running, *self.waiting, *self.peer_wait]
@@ -119,6 +139,25 @@ def read_progress(
     return ProgressSample(
         at, wall, in_flight, counters, totals.get("peer_wait"), tuple(found), *canaries
     )
+
+
+def ranks_in(text: str, gauges: tuple[Series, ...], label: str) -> tuple[int, ...]:
+    """The data-parallel ranks an exposition shows: the values of ``label`` on the ``gauges``
+    (vLLM: engine="0", engine="1", ... on its in-flight gauges); () when none."""
+    wanted = tuple({s.name for s in gauges})
+    kept = "\n".join(line for line in text.splitlines() if line.startswith(wanted))
+    found: set[int] = set()
+    try:
+        for family in text_string_to_metric_families(kept + "\n"):
+            for sample in family.samples:
+                value = sample.labels.get(label, "")
+                if value.isdigit() and any(
+                    sample.name == s.name and s.matches(sample.labels) for s in gauges
+                ):
+                    found.add(int(value))
+    except (ValueError, TypeError, IndexError):
+        return ()
+    return tuple(sorted(found))
 
 
 def unusable(sample: ProgressSample, spec: ProgressSpec) -> str | None:

@@ -35,6 +35,15 @@ class TransferSpec:
     failures: Mapping[str, tuple[Series, ...]]
     fetching: tuple[Series, ...] = ()
 
+    def scoped(self, label: str | None, value: str) -> TransferSpec:
+        """Every series restricted to one value of ``label`` (one data-parallel rank)."""
+        if label is None:
+            return self
+        return TransferSpec(
+            {k: tuple(s.scoped(label, value) for s in g) for k, g in self.failures.items()},
+            tuple(s.scoped(label, value) for s in self.fetching),
+        )
+
 
 @dataclass(frozen=True)
 class TransferSample:
