@@ -26,6 +26,10 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 # only one a canary can prove, so it is the only one a user may list.
 GENERATE = "generate"
 MONITORED_ENDPOINTS: tuple[str, ...] = (GENERATE,)
+# Endpoints that exist only when configured (name -> the variable that adds it). They inform,
+# and gate readiness only when DYN_SYSTEM_USE_ENDPOINT_HEALTH_STATUS lists them.
+KV_TRANSFER = "kv_transfer"
+OPTIONAL_ENDPOINTS: dict[str, str] = {KV_TRANSFER: "SIDECAR_KV_PEER_URL"}
 
 MAX_SECONDS = 86_400.0
 MAX_VALUE_SHOWN = 80
@@ -358,6 +362,36 @@ class Settings(BaseSettings):
         ge=1,
         le=1024,
     )
+    kv_peer_url: str | None = _env(
+        "SIDECAR_KV_PEER_URL",
+        None,
+        "A prefill peer of this vLLM decode worker. Adds the kv_transfer endpoint: a transfer "
+        "probe runs one tiny prefill on the peer with remote decode, then the decode here with "
+        "the KV it returned, and passes only if that completes within SIDECAR_KV_PROBE_TIMEOUT "
+        "and answers what a local prefill of the same prompt answers. Informs; gates readiness "
+        "only when DYN_SYSTEM_USE_ENDPOINT_HEALTH_STATUS lists kv_transfer. Never fails /live.",
+        "an http:// or https:// URL with a host and no query",
+    )
+    kv_probe_interval: float = _seconds(
+        "SIDECAR_KV_PROBE_INTERVAL",
+        60.0,
+        "Seconds between transfer probes; one also leaves when the decode worker's metrics show "
+        "failed transfers (at most every SIDECAR_CANARY_RETRY_INTERVAL while failing).",
+    )
+    kv_probe_timeout: float = _seconds(
+        "SIDECAR_KV_PROBE_TIMEOUT",
+        30.0,
+        "Seconds the whole transfer probe may take: the peer's prefill, the transfer, the decode.",
+    )
+    kv_probe_prompt_tokens: int = _env(
+        "SIDECAR_KV_PROBE_PROMPT_TOKENS",
+        256,
+        "Prompt length of the transfer probe, in tokens: long enough to fill whole KV blocks "
+        "(vLLM's block is 16 tokens on GPUs, 128 on CPUs), or nothing is transferred.",
+        "an integer from 1 to 8192",
+        ge=1,
+        le=8192,
+    )
     check_answer: bool = _env(
         "SIDECAR_CANARY_CHECK_ANSWER",
         False,
@@ -423,7 +457,7 @@ class Settings(BaseSettings):
                 raise ValueError(f"not valid JSON: {exc}") from None
         if not isinstance(value, list | tuple) or not all(isinstance(v, str) for v in value):
             raise ValueError("not a list of strings")
-        unknown = [v for v in value if v not in MONITORED_ENDPOINTS]
+        unknown = [v for v in value if v not in MONITORED_ENDPOINTS and v not in OPTIONAL_ENDPOINTS]
         if unknown:
             raise ValueError(f"the sidecar does not monitor {', '.join(map(repr, unknown))}")
         return tuple(dict.fromkeys(value))
@@ -491,9 +525,11 @@ class Settings(BaseSettings):
             raise ValueError("not a token: only visible ASCII characters, no spaces")
         return value
 
-    @field_validator("engine_url")
+    @field_validator("engine_url", "kv_peer_url")
     @classmethod
-    def _url(cls, value: str) -> str:
+    def _url(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
         try:
             parts = urlsplit(value)
             port = parts.port
@@ -543,7 +579,7 @@ def _shown(field: str, value: Any) -> str:
     if field in ("engine_api_key", "control_token"):
         return "<hidden>"
     text = value if isinstance(value, str) else json.dumps(value, default=str)
-    if field == "engine_url":
+    if field in ("engine_url", "kv_peer_url"):
         text = _CREDENTIALS.sub(r"\1<credentials hidden>@", text)
     if len(text) > MAX_VALUE_SHOWN:
         text = text[: MAX_VALUE_SHOWN - 3] + "..."
@@ -578,6 +614,22 @@ def _cross_checks(s: Settings) -> list[str]:
             f"{env_name('dp_ranks')}={s.dp_ranks}: expected 1 ({s.backend} cannot pin a request "
             "to a data-parallel rank, so ranks cannot be told apart)"
         )
+    if s.kv_peer_url is not None and (s.backend, s.disaggregation_mode) != (
+        Backend.VLLM,
+        Mode.DECODE,
+    ):
+        lines.append(
+            f"{env_name('kv_peer_url')}={_shown('kv_peer_url', s.kv_peer_url)}: expected unset "
+            f"(the transfer probe speaks vLLM's NIXL connector from a decode worker; this is "
+            f"{s.backend} {s.disaggregation_mode})"
+        )
+    for name, variable in OPTIONAL_ENDPOINTS.items():
+        if name in s.use_endpoint_health_status and s.kv_peer_url is None:
+            lines.append(
+                f"{env_name('use_endpoint_health_status')}="
+                f"{_shown('use_endpoint_health_status', list(s.use_endpoint_health_status))}: "
+                f"expected {name!r} listed only with {variable} set"
+            )
     if s.dp_ranks == "auto" and s.backend is Backend.SGLANG:
         lines.append(
             f"{env_name('dp_ranks')}=auto: expected a number (SGLang's metrics do not tell "

@@ -38,6 +38,8 @@ class EndpointState:
     progress: ProgressState = field(default_factory=ProgressState)
     lifecycle: LifecycleState = field(default_factory=LifecycleState)
     transfers: TransferState = field(default_factory=TransferState)
+    # False for an endpoint that informs (kv_transfer): its failures never fail /live.
+    liveness: bool = True
 
     @property
     def incarnation(self) -> int:

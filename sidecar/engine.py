@@ -196,6 +196,22 @@ class EngineClient:
             response.headers.get("location"),
         )
 
+    async def post_json(self, path: str, body: Any) -> tuple[Any, NoAnswer | None]:
+        """POST a JSON body: (the parsed JSON answer, None) on a 200 with JSON; else (None, why
+        not, as the outcome a probe records)."""
+        answer = await self._exchange("POST", path, json_body=body)
+        if isinstance(answer, NoAnswer):
+            return None, NoAnswer(answer.outcome, self._redact(answer.reason))
+        if answer.status != 200:
+            reason = self._redact(f"HTTP {answer.status}: {_error_text(answer.body)}")
+            return None, NoAnswer(Outcome.ERROR, reason)
+        try:
+            return json.loads(answer.body), None
+        except ValueError:
+            return None, NoAnswer(
+                Outcome.INVALID, f"body is not valid JSON ({len(answer.body)} bytes)"
+            )
+
     async def canary(self, plan: CanaryPlan, request: CanaryRequest) -> Result:
         started = self.clock()
 

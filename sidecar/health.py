@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
 from sidecar.canary import CanaryPlan
-from sidecar.config import Settings, StartingStatus
+from sidecar.config import KV_TRANSFER, Settings, StartingStatus
 from sidecar.endpoint import (
     EndpointState,
     apply_canary,
@@ -98,6 +98,8 @@ class Snapshot:
     endpoint_verdicts: Mapping[str, Verdict] = field(default_factory=dict)
     min_ready: int | None = None  # SIDECAR_DP_MIN_READY_RANKS
     rank_of: Mapping[str, int | None] = field(default_factory=dict)  # unit -> its rank
+    # Endpoints that inform and gate readiness only when listed (kv_transfer).
+    informing: tuple[str, ...] = ()
 
     def ranked(self, endpoint: str) -> bool:
         """The endpoint is checked rank by rank."""
@@ -128,7 +130,10 @@ class Health:
         self.started = clock()
         self.plans = {p.unit: p for p in plans}
         self.listeners: list[Listener] = []
-        endpoints = {u: EndpointState(u, p.enabled, p.why) for u, p in self.plans.items()}
+        endpoints = {
+            u: EndpointState(u, p.enabled, p.why, liveness=p.probe != KV_TRANSFER)
+            for u, p in self.plans.items()
+        }
         self.snapshot = self._make(endpoints, {n: settings.model for n in endpoints}, False)
         self._last_ready: bool | None = None
         self._last_live = True
@@ -165,6 +170,7 @@ class Health:
             endpoint_verdicts=combined,
             min_ready=need,
             rank_of={u: p.rank for u, p in self.plans.items()},
+            informing=tuple(p.endpoint for p in self.plans.values() if p.probe == KV_TRANSFER),
         )
 
     def set_ranks(self, ranks: int) -> dict[str, CanaryPlan]:
@@ -178,6 +184,9 @@ class Health:
         models: dict[str, str | None] = {}
         for unit, plan in self.plans.items():
             before = snap.endpoints[unit]
+            if plan.probe != "canary":  # the transfer probe is not a rank's
+                plans[unit], endpoints[unit], models[unit] = plan, before, snap.models.get(unit)
+                continue
             for rank in range(ranks):
                 ranked = plan.for_rank(rank)
                 due = now if before.registration.registered and ranked.enabled else None
@@ -434,7 +443,11 @@ def readiness_of(snap: Snapshot, now: float) -> Readiness:
             False, Rule.STALE, f"the monitor has not run for {stale:.1f} s: the verdict is stale"
         )
     return decide_readiness(
-        snap.endpoint_verdicts, snap.listed, snap.starting, draining=snap.draining
+        snap.endpoint_verdicts,
+        snap.listed,
+        snap.starting,
+        draining=snap.draining,
+        informing=snap.informing,
     )
 
 

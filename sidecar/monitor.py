@@ -22,6 +22,7 @@ import time
 import uuid
 
 from sidecar.canary import CanaryPlan
+from sidecar.config import KV_TRANSFER
 from sidecar.endpoint import canary_due, suspected
 from sidecar.engine import EngineClient
 from sidecar.evidence.lifecycle import sleeping_in
@@ -35,6 +36,7 @@ from sidecar.evidence.progress import (
 from sidecar.evidence.result import Outcome, Result
 from sidecar.evidence.transfers import read_transfers
 from sidecar.health import HEARTBEAT_INTERVAL, Health
+from sidecar.transferprobe import TransferProbe
 
 log = logging.getLogger("sidecar.monitor")
 
@@ -58,6 +60,8 @@ class Monitor:
         metrics_path: str | None = None,
         metrics_interval: float = 1.0,
         discover_ranks: bool = False,
+        transfer_probe: TransferProbe | None = None,
+        probe_interval: float = 60.0,
     ) -> None:
         self.health = health
         self.client = client
@@ -67,6 +71,8 @@ class Monitor:
         self.metrics_path = metrics_path
         self.metrics_interval = metrics_interval
         self.discover_ranks = discover_ranks
+        self.transfer_probe = transfer_probe
+        self.probe_interval = probe_interval
         self._changed = asyncio.Event()
         # Canaries sent, and finished, so far, per unit: each metrics read notes both.
         self._sent: dict[str, int] = {}
@@ -83,7 +89,7 @@ class Monitor:
             for name, plan in self.health.plans.items():
                 self._start_unit(name, plan)
             if self.discover_ranks:
-                template = next(iter(self.health.plans.values()))
+                template = next(p for p in self.health.plans.values() if p.probe == "canary")
                 group.create_task(self._discover_ranks(template), name="discover-ranks")
 
     def _start_unit(self, name: str, plan: CanaryPlan) -> None:
@@ -95,7 +101,10 @@ class Monitor:
         tasks = [
             group.create_task(self._registration_loop(name, plan), name=f"registration:{name}")
         ]
-        if plan.enabled:
+        if plan.probe == KV_TRANSFER:
+            assert self.transfer_probe is not None
+            tasks.append(group.create_task(self._transfer_loop(name), name=f"probe:{name}"))
+        elif plan.enabled:
             tasks.append(group.create_task(self._canary_loop(name, plan), name=f"canary:{name}"))
             if self.watch_progress:
                 spec = plan.progress_spec(self.metrics_path)
@@ -156,6 +165,50 @@ class Monitor:
                 await wait_event(changed, delay)
                 continue
             self.health.end_maintenance(f"its {first.until - first.since:g} s are up")
+            self._changed_now()
+
+    def _transfer_due(self, name: str) -> float | None:
+        """When the next transfer probe may leave: every SIDECAR_KV_PROBE_INTERVAL while it
+        passes, every retry interval while failing or unproven, and at once (at most every
+        retry) when this worker's metrics counted a failed transfer since the last probe."""
+        snap = self.health.snapshot
+        ep = snap.endpoints.get(name)
+        if ep is None or not ep.registration.registered or ep.lifecycle.paused:
+            return None
+        last, policy = ep.canary.last, self.health.policy
+        if last is None:
+            return self.health.clock()
+        interval = (
+            self.probe_interval if ep.canary.ready and not ep.canary.failures else policy.retry
+        )
+        due = last.finished + interval
+        failed_since = any(
+            other.transfers.recent and other.transfers.recent[-1][0] > last.started
+            for other in snap.endpoints.values()
+        )
+        if failed_since:
+            due = min(due, max(last.finished, last.started + policy.retry))
+        return due
+
+    async def _transfer_loop(self, name: str) -> None:
+        probe = self.transfer_probe
+        assert probe is not None
+        while True:
+            changed = self._changed
+            due = self._transfer_due(name)
+            if due is None:
+                await wait_event(changed, None)
+                continue
+            delay = due - self.health.clock()
+            if delay > 0:
+                await wait_event(changed, delay)
+                continue
+            ep = self.health.snapshot.endpoints[name]
+            model = next(iter(m for m in self.health.snapshot.models.values() if m), None)
+            model = model or self.health.settings.model
+            result = await probe.run(model)
+            log.debug("%s: transfer probe %s: %s", name, result.outcome, result.reason)
+            self.health.record_canary(name, result, ep.incarnation)
             self._changed_now()
 
     async def _heartbeat(self) -> None:

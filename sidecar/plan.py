@@ -120,6 +120,19 @@ def _rank_lines(plan: CanaryPlan, s: Settings) -> list[str]:
     ]
 
 
+def _transfer_lines(s: Settings) -> list[str]:
+    if s.kv_peer_url is None:
+        return ["kv_transfer    no transfer probe (SIDECAR_KV_PEER_URL unset)"]
+    gates = "gates readiness" if "kv_transfer" in s.use_endpoint_health_status else "informs"
+    return [
+        f"kv_transfer    every {s.kv_probe_interval:g} s and on a counted failed transfer: a "
+        f"{s.kv_probe_prompt_tokens}-token prefill on {s.kv_peer_url} with remote decode, the "
+        "decode here with its KV, and a local prefill as the reference",
+        f"  passes when  all answer 200 within {s.kv_probe_timeout:g} s and the transferred KV "
+        f"decodes to the local answer; {gates}; never fails liveness",
+    ]
+
+
 def render(settings: Settings) -> str:
     plan = plan_canary(settings)
     registration = settings.registration_path or plan.prober.registration_path
@@ -188,6 +201,7 @@ def render(settings: Settings) -> str:
         *_progress_lines(plan, s),
         *_lifecycle_lines(plan, s),
         *_rank_lines(plan, s),
+        *_transfer_lines(s),
         f"shutdown       on SIGTERM: readiness draining (503), /live 200, until the engine is "
         f"gone or {s.drain_timeout:g} s have passed; then exit 0",
         f"serving        http://{s.system_host}:{s.system_port}  {s.health_path} (readiness)  "

@@ -23,7 +23,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from sidecar.app import create_app
-from sidecar.canary import CanaryPlan, plan_canary
+from sidecar.canary import CanaryPlan, plan_canary, plan_transfer_probe
 from sidecar.config import Settings
 from sidecar.control import CONTROL_HOST, create_control_app
 from sidecar.engine import EngineClient
@@ -31,6 +31,7 @@ from sidecar.health import Health
 from sidecar.history import History
 from sidecar.metrics import Metrics
 from sidecar.monitor import Monitor
+from sidecar.transferprobe import TransferProbe
 
 log = logging.getLogger("sidecar")
 
@@ -52,6 +53,9 @@ def build(settings: Settings) -> Parts:
     plans = (
         [plan.for_rank(r) for r in range(ranks)] if isinstance(ranks, int) and ranks > 1 else [plan]
     )
+    transfer = plan_transfer_probe(settings)
+    if transfer is not None:
+        plans.append(transfer)
     health = Health(settings, plans)
     metrics = Metrics(health)
     key = settings.engine_api_key
@@ -101,6 +105,20 @@ class MonitorThread:
             api_key=settings.engine_api_key.get_secret_value() if settings.engine_api_key else None,
             clock=parts.health.clock,
         )
+        key = settings.engine_api_key.get_secret_value() if settings.engine_api_key else None
+        probe = (
+            TransferProbe(
+                settings.kv_peer_url,
+                settings.engine_url,
+                timeout=settings.kv_probe_timeout,
+                prompt_tokens=settings.kv_probe_prompt_tokens,
+                max_bytes=settings.max_response_bytes,
+                api_key=key,
+                clock=parts.health.clock,
+            )
+            if settings.kv_peer_url is not None
+            else None
+        )
         monitor = Monitor(
             parts.health,
             client,
@@ -110,11 +128,15 @@ class MonitorThread:
             metrics_path=settings.metrics_path,
             metrics_interval=settings.metrics_interval,
             discover_ranks=settings.dp_ranks == "auto" and parts.plan.enabled,
+            transfer_probe=probe,
+            probe_interval=settings.kv_probe_interval,
         )
         try:
             await monitor.run()
         finally:
             await client.aclose()
+            if probe is not None:
+                await probe.aclose()
             self.finished.set()
 
     def start(self) -> asyncio.Future[None]:

@@ -66,6 +66,7 @@ def engine_disagrees(ep: EndpointState) -> bool:
     canary = ep.canary
     return (
         ep.has_canary
+        and ep.liveness
         and ep.registration.answers_200
         and canary.ready is False
         and canary.hard_since is not None
@@ -180,14 +181,16 @@ def decide_readiness(
     starting: StartingStatus,
     *,
     draining: bool = False,
+    informing: tuple[str, ...] = (),
 ) -> Readiness:
     """The endpoints that count are those listed in DYN_SYSTEM_USE_ENDPOINT_HEALTH_STATUS, or every
-    monitored endpoint when the list is empty. The worker is ready iff each of them is ready. An
-    endpoint with no verdict yet counts as DYN_SYSTEM_STARTING_HEALTH_STATUS says."""
+    monitored endpoint but the ``informing`` ones (kv_transfer) when the list is empty. The worker
+    is ready iff each of them is ready. An endpoint with no verdict yet counts as
+    DYN_SYSTEM_STARTING_HEALTH_STATUS says."""
     if draining:
         return Readiness(False, Rule.DRAINING, "draining: SIGTERM received")
     rule = Rule.LISTED if listed else Rule.MONITORED
-    names = listed or tuple(verdicts)
+    names = listed or tuple(n for n in verdicts if n not in informing)
     undecided = [n for n in names if verdicts[n].ready is None]
     failing = [n for n in names if verdicts[n].ready is False]
     if failing:
@@ -211,7 +214,7 @@ class Cause(StrEnum):
 def clocks(ep: EndpointState) -> dict[Cause, float]:
     """The liveness clocks running for one endpoint: cause -> monotonic start."""
     running: dict[Cause, float] = {}
-    if ep.lifecycle.paused:
+    if ep.lifecycle.paused or not ep.liveness:
         return running
     if ep.registration.timeout_since is not None:
         running[Cause.REGISTRATION] = ep.registration.timeout_since

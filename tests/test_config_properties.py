@@ -328,6 +328,7 @@ def kind_of(name: str) -> Kind | None:
         ),
         "DYN_HEALTH_CHECK_PAYLOAD": lambda: Kind(*payload_strategies(), parsed=_payload),
         "SIDECAR_ENGINE_URL": lambda: Kind(*url_strategies(), parsed=lambda v: v.rstrip("/")),
+        "SIDECAR_KV_PEER_URL": lambda: Kind(*url_strategies(), parsed=lambda v: v.rstrip("/")),
         "DYN_SYSTEM_HOST": lambda: Kind(
             None,
             VALID_HOST,
@@ -447,6 +448,7 @@ def test_valid_value_is_taken_as_given(
     needs = {
         "SIDECAR_CONTROL_TOKEN": {"SIDECAR_CONTROL_PORT": "9091"},
         "SIDECAR_DP_MIN_READY_RANKS": {"SIDECAR_DP_RANKS": "1024"},
+        "SIDECAR_KV_PEER_URL": {"SIDECAR_DISAGGREGATION_MODE": "decode"},
     }.get(name, {})
     loaded = load(monkeypatch, **{name: value}, **needs)
     key, _ = field_of(name)
@@ -506,6 +508,10 @@ SAMPLE_MALFORMED: dict[str, str] = {
     "SIDECAR_MAINTENANCE_MAX": "0",
     "SIDECAR_DP_RANKS": "0",
     "SIDECAR_DP_MIN_READY_RANKS": "0",
+    "SIDECAR_KV_PEER_URL": "tcp://127.0.0.1:8000",
+    "SIDECAR_KV_PROBE_INTERVAL": "0",
+    "SIDECAR_KV_PROBE_TIMEOUT": "-2",
+    "SIDECAR_KV_PROBE_PROMPT_TOKENS": "8193",
 }
 
 

@@ -9,11 +9,20 @@ from __future__ import annotations
 from sidecar.canary.base import CanaryPlan, CanaryRequest, Prober, Role
 from sidecar.canary.openai import OpenAIProber
 from sidecar.canary.sglang import SglangProber
+from sidecar.canary.transfer import PATH
 from sidecar.canary.trtllm import TrtllmProber
 from sidecar.canary.vllm import VllmProber
-from sidecar.config import GENERATE, Backend, Settings
+from sidecar.config import GENERATE, KV_TRANSFER, Backend, Settings
 
-__all__ = ["CanaryPlan", "CanaryRequest", "Prober", "Role", "plan_canary", "prober_for"]
+__all__ = [
+    "CanaryPlan",
+    "CanaryRequest",
+    "Prober",
+    "Role",
+    "plan_canary",
+    "plan_transfer_probe",
+    "prober_for",
+]
 
 
 def prober_for(settings: Settings) -> Prober:
@@ -26,6 +35,20 @@ def prober_for(settings: Settings) -> Prober:
             return TrtllmProber()
         case Backend.OPENAI:
             return OpenAIProber()
+
+
+def plan_transfer_probe(settings: Settings) -> CanaryPlan | None:
+    """The kv_transfer endpoint's plan, when SIDECAR_KV_PEER_URL names a prefill peer."""
+    if settings.kv_peer_url is None:
+        return None
+    prober = prober_for(settings)
+    why = (
+        f"a real KV transfer from the prefill peer {settings.kv_peer_url}, decoded here and "
+        "checked against a local prefill, every "
+        f"{settings.kv_probe_interval:g} s and when transfers fail"
+    )
+    role = Role(settings.disaggregation_mode, settings.model_type)
+    return CanaryPlan(KV_TRANSFER, True, why, prober, role, PATH, probe=KV_TRANSFER)
 
 
 def plan_canary(settings: Settings, endpoint: str = GENERATE) -> CanaryPlan:

@@ -140,6 +140,9 @@ class CanaryPlan:
     path: str
     override: dict[str, Any] | None = field(default=None)
     rank: int | None = None  # the data-parallel rank every canary of this plan is pinned to
+    # "canary", or "kv_transfer": the transfer probe (sidecar/canary/transfer.py) runs instead,
+    # for an endpoint that informs and never fails liveness.
+    probe: str = "canary"
 
     @property
     def unit(self) -> str:
