@@ -630,6 +630,60 @@ def test_decode_waiting_on_a_frozen_prefill_stays_ready_and_live(vllm_pd_pair, s
     assert result["answer"].status_code == 200, result["answer"].text
 
 
+def test_transfer_probe_on_a_real_pair(vllm_pd_pair, sidecar):
+    """SIDECAR_KV_PEER_URL: a real NIXL transfer from the prefill peer, decoded on the decode
+    worker and checked against a local prefill, passes; with the peer frozen it fails within its
+    deadline while the decode worker stays ready and live (kv_transfer informs); resumed, it
+    passes again."""
+    prefill, decode = vllm_pd_pair
+    side = sidecar(
+        sidecar_env(
+            decode,
+            "decode",
+            DYN_HEALTH_CHECK_REQUEST_TIMEOUT="3",
+            SIDECAR_KV_PEER_URL=prefill.url,
+            SIDECAR_KV_PROBE_INTERVAL="2",
+            SIDECAR_KV_PROBE_TIMEOUT="10",
+            SIDECAR_KV_PROBE_PROMPT_TOKENS="300",  # whole 128-token blocks on the CPU
+        )
+    )
+    side.wait_status(200, 60)
+
+    def transferred() -> float:
+        text = decode.http.get(f"{decode.url}/metrics").text
+        return total(
+            samples(text), "vllm:prompt_tokens_by_source_total", source="external_kv_transfer"
+        )
+
+    before = transferred()
+
+    def kv() -> dict[str, Any]:
+        return side.http.get(f"{side.url}/health", timeout=5).json()["checks"]["kv_transfer"]
+
+    wait_until(lambda: kv()["last_canary"] is not None, 60, what="the first transfer probe")
+    check = kv()
+    print(f"REAL-VLLM transfer probe: {check['last_canary']}")
+    assert check["last_canary"]["outcome"] == "success", check
+    # A real transfer: the decode instance counted prompt tokens that came over NIXL.
+    assert transferred() - before >= 256
+    worker = prefill.worker_pid()  # the peer's model loop frozen after it took the request
+    pause(worker)
+    try:
+        frozen = time.monotonic()
+        wait_until(lambda: kv()["consecutive_failures"] >= 1, 30, what="a failed probe")
+        took = time.monotonic() - frozen
+        status, body = side.health()
+        print(f"REAL-VLLM transfer probe, peer frozen: failed after {took:.1f} s: "
+              f"{body['checks']['kv_transfer']['reason']}")  # fmt: skip
+        assert status == 200
+        assert body["checks"]["generate"]["last_canary"]["outcome"] == "success"
+        assert "did not finish within 10 s" in body["checks"]["kv_transfer"]["reason"]
+        assert side.get("/live").status_code == 200
+    finally:
+        resume(worker)
+    wait_until(lambda: kv()["consecutive_failures"] == 0, 60, what="a passing probe again")
+
+
 def test_decode_stays_ready_and_live_when_its_prefill_peer_is_killed(vllm_pd_pair, sidecar):
     """The prefill instance killed between its prefill and the decode's KV pull (the last test of
     the module: the pair is spent). The decode request fails fast; the decode worker itself is
@@ -638,7 +692,14 @@ def test_decode_stays_ready_and_live_when_its_prefill_peer_is_killed(vllm_pd_pai
     prefill, decode = vllm_pd_pair
     side = sidecar(
         sidecar_env(
-            decode, "decode", DYN_HEALTH_CHECK_REQUEST_TIMEOUT="3", SIDECAR_LIVENESS_WINDOW="6"
+            decode,
+            "decode",
+            DYN_HEALTH_CHECK_REQUEST_TIMEOUT="3",
+            SIDECAR_LIVENESS_WINDOW="6",
+            SIDECAR_KV_PEER_URL=prefill.url,
+            SIDECAR_KV_PROBE_INTERVAL="2",
+            SIDECAR_KV_PROBE_TIMEOUT="10",
+            SIDECAR_KV_PROBE_PROMPT_TOKENS="300",
         )
     )
     side.wait_status(200, 60)
@@ -671,3 +732,12 @@ def test_decode_stays_ready_and_live_when_its_prefill_peer_is_killed(vllm_pd_pai
     assert transfers["failing"] is True
     assert transfers["failures_in_window"].get("failed_transfers", 0) >= 1
     assert sidecar_metric(side, "health_sidecar_kv_transfer_failures_total") >= 1
+    # The transfer probe names the dead peer; it informs: /health stays 200.
+    wait_until(
+        lambda: (
+            "prefill peer: cannot connect" in side.health()[1]["checks"]["kv_transfer"]["reason"]
+        ),
+        15,
+        what="the probe to find the peer gone",
+    )
+    assert side.health()[0] == 200
