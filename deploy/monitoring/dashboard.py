@@ -471,6 +471,48 @@ def build() -> dash_m.Dashboard:
                 bars=True,
             )
         )
+        # --- ranks, pauses and peers -------------------------------------------------------
+        .with_row(dash_b.Row("Ranks, pauses and KV transfers"))
+        .with_panel(
+            flag_timeline(
+                "Data-parallel rank ready",
+                "health_sidecar_rank_ready: each rank's own canary (SIDECAR_DP_RANKS).",
+                f"max by (pod, endpoint, rank) (health_sidecar_rank_ready{{{SEL}}})",
+                "{{pod}} rank {{rank}}",
+                *ready_words,
+                width=8,
+            )
+        )
+        .with_panel(
+            flag_timeline(
+                "Degraded or paused",
+                "health_sidecar_endpoint_degraded (ready with a rank down) and "
+                "health_sidecar_endpoint_paused (asleep, or in a maintenance window).",
+                f"max by (pod) (health_sidecar_endpoint_degraded{{{SEL}}}) or max by (pod, state) "
+                f"(health_sidecar_endpoint_paused{{{SEL}}})",
+                "{{pod}} {{state}}",
+                ("no", GREEN),
+                ("yes", BLUE),
+                width=8,
+            )
+        )
+        .with_panel(
+            timeseries(
+                "Failed KV transfers from prefill peers",
+                "Increase of health_sidecar_kv_transfer_failures_total by kind: the peer side's "
+                "trouble, seen by the decode worker.",
+                [
+                    (
+                        "sum by (pod, kind) (increase("
+                        f"health_sidecar_kv_transfer_failures_total{{{SEL}}}[{RATE}]))",
+                        "{{pod}} {{kind}}",
+                    )
+                ],
+                "short",
+                width=8,
+                bars=True,
+            )
+        )
         # --- build --------------------------------------------------------------------------
         .with_row(dash_b.Row("Sidecars"))
         .with_panel(
