@@ -287,14 +287,19 @@ class Probers:
 
 @contextlib.asynccontextmanager
 async def probers(
-    engine_url: str, stop_engine: Callable[[], None], *, g2: bool = False, backend: str = "openai"
+    engine_url: str,
+    stop_engine: Callable[[], None],
+    *,
+    g2: bool = False,
+    backend: str = "openai",
+    extra: dict[str, str] | None = None,
 ) -> AsyncIterator[Probers]:
     """The sidecar (defaults) and the baseline (and with ``g2`` the G2 loop as well) against
     ``engine_url``; all ended on exit.
 
     ``stop_engine`` (idempotent) runs before the sidecar is stopped: a sidecar whose engine is
     gone exits at once on SIGTERM, one whose engine still answers drains first."""
-    side = Sidecar(sidecar_env(engine_url, backend))
+    side = Sidecar(sidecar_env(engine_url, backend) | (extra or {}))
     health = Poller(f"{side.url}/health")
     rig = Probers(engine_url, side, health, {}, {}, [])
     try:
@@ -653,8 +658,8 @@ VLLM_OWN = "vLLM's own /health"
 
 
 @contextlib.contextmanager
-def vllm_server() -> Iterator[VllmServer]:
-    server = VllmServer()
+def vllm_server(*extra: str, env: dict[str, str] | None = None) -> Iterator[VllmServer]:
+    server = VllmServer(extra=extra, env=env)
     try:
         yield server
     finally:
@@ -722,6 +727,51 @@ async def vllm_core_kill(rng: random.Random) -> Rep:
                 f"vLLM's API server exited {'by itself' if exited else 'NOT within the cap'}; "
                 f"started again, its /health 200 after {server.ready_after:.0f} s"
             )
+            return rep
+
+
+async def vllm_sleep(rng: random.Random) -> Rep:
+    """vLLM put to sleep (POST /sleep?level=1, development routes on) while idle for 20 s, then
+    woken (POST /wake_up)."""
+    with vllm_server(env={"VLLM_SERVER_DEV_MODE": "1"}) as server:
+        await asyncio.to_thread(server.start)
+        async with probers(server.url, server.stop, backend="vllm") as rig:
+            own = rig.add_poller(VLLM_OWN, f"{server.url}/health")
+            await ready_for_fault(rig, rng, 10.0)
+            before = await rig.sidecar_canaries()
+            fault = now()
+            await asyncio.to_thread(server.http.post, f"{server.url}/sleep?level=1")
+            await asyncio.sleep(HOLD)
+            slept = await rig.sidecar_canaries() - before
+            recovery = now()
+            await asyncio.to_thread(server.http.post, f"{server.url}/wake_up")
+            await rig.wait_ready(CAP)
+            rep = results(rig, fault, recovery, before)
+            own_health_row(rep, own, fault, recovery)
+            rep.facts.append(f"sidecar canaries sent while asleep: {slept}")
+            return rep
+
+
+async def vllm_dp_rank_freeze(rng: random.Random) -> Rep:
+    """A vLLM with two data-parallel ranks, rank 1's engine core frozen for 20 s while idle;
+    the sidecar checks each rank (SIDECAR_DP_RANKS=2), the baseline sends unpinned canaries."""
+    dp = ("--data-parallel-size", "2", "--data-parallel-backend", "mp")
+    with vllm_server(*dp) as server:
+        await asyncio.to_thread(server.start)
+        ranks = {"SIDECAR_DP_RANKS": "2"}
+        async with probers(server.url, server.stop, backend="vllm", extra=ranks) as rig:
+            own = rig.add_poller(VLLM_OWN, f"{server.url}/health")
+            await ready_for_fault(rig, rng, 10.0)
+            core = await asyncio.to_thread(server.pid_of, "VLLM::EngineCore_DP1")
+            before = await rig.sidecar_canaries()
+            fault = now()
+            os.kill(core, signal.SIGSTOP)
+            await asyncio.sleep(HOLD)
+            recovery = now()
+            os.kill(core, signal.SIGCONT)
+            await rig.wait_ready(CAP)
+            rep = results(rig, fault, recovery, before)
+            own_health_row(rep, own, fault, recovery)
             return rep
 
 
@@ -799,6 +849,23 @@ SCENARIOS: dict[str, Scenario] = {
         "the same vLLM, idle; its VLLM::EngineCore SIGKILLed (vLLM's /health turns 503, the API "
         "server exits about 3 s later), then the server started again on the same port. Back "
         "to 200 from vLLM's own /health 200.",
+    ),
+    "vllm-sleep": Scenario(
+        "8a. vLLM: put to sleep, then woken",
+        vllm_sleep,
+        "the same vLLM with its development routes (VLLM_SERVER_DEV_MODE=1), idle; at a random "
+        "point 0-10 s after every prober is ready, POST /sleep?level=1 (a request sent to it is "
+        "held until it wakes; its /health still answers 200); 20 s later POST /wake_up. Back to "
+        "200 from the wake-up.",
+    ),
+    "vllm-dp-rank": Scenario(
+        "8b. vLLM: one of two data-parallel ranks frozen",
+        vllm_dp_rank_freeze,
+        "a vLLM with two data-parallel ranks (--data-parallel-size 2), idle; the sidecar with "
+        "SIDECAR_DP_RANKS=2 (one canary pinned to each rank), the baseline with its unpinned "
+        "canary; at a random point 0-10 s after every prober is ready, VLLM::EngineCore_DP1 "
+        "SIGSTOPped for 20 s (/health still 200, rank 0 still serves), then SIGCONT. Back to "
+        "200 from SIGCONT.",
     ),
     "busy-healthy": Scenario(
         "6b. busy but healthy",
