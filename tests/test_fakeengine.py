@@ -972,3 +972,276 @@ def test_nixl_peer_frozen_after_handshake_waits_deferred(decode: Engine) -> None
     assert answered.json()["usage"]["completion_tokens"] == 2
     assert kv_fetch(decode)["waiting"] == 0
     assert nixl_counts(decode) == before
+
+
+# ------------------------------------------------------------------------ data-parallel ranks
+
+
+RANK_HEADER = "X-data-parallel-rank"
+RANK_COUNTERS = (
+    "vllm:prompt_tokens_total",
+    "vllm:generation_tokens_total",
+    "vllm:iteration_tokens_total_count",
+)
+
+
+def vllm_series(text: str) -> list[tuple[str, dict[str, str], float]]:
+    return [
+        (s.name, s.labels, s.value)
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name.startswith("vllm:")
+    ]
+
+
+def rank_counts(engine: Engine, rank: int) -> dict[str, float]:
+    """A rank's progress counters and finished requests, as its engine="<rank>" series say."""
+    text = engine.get("/metrics").text
+    engine_label = str(rank)
+    counts = {name: sample(text, name, engine=engine_label) for name in RANK_COUNTERS}
+    success = sample(
+        text, "vllm:request_success_total", engine=engine_label, finished_reason="length"
+    )
+    return counts | {"success": success}
+
+
+def rank_state(engine: Engine, rank: int) -> dict[str, Any]:
+    return engine.state()["ranks"][rank]
+
+
+def pinned(rank: object) -> dict[str, str]:
+    return {RANK_HEADER: str(rank)}
+
+
+def test_single_rank_vllm_labels_every_series_engine_0(vllm: Engine) -> None:
+    series = vllm_series(vllm.get("/metrics").text)
+    assert series
+    assert {labels.get("engine") for _, labels, _ in series} == {"0"}
+    state = vllm.state()
+    assert state["dp_size"] == 1
+    assert [rank["rank"] for rank in state["ranks"]] == [0]
+    # One rank: rank 0 may be pinned, rank 1 is out of range.
+    assert vllm.post("/v1/completions", completion(), headers=pinned(0)).status_code == 200
+    assert vllm.post("/v1/completions", completion(), headers=pinned(1)).status_code == 400
+
+
+def test_vllm_dp_publishes_every_series_once_per_rank(launch: Callable[..., Engine]) -> None:
+    engine = launch("--backend", "vllm", "--dp-size", "2")
+    assert "backend=vllm mode=aggregated dp-size=2" in engine.log.read_text()
+    text = engine.get("/metrics").text
+    assert 'vllm:num_requests_running{engine="1",model_name="tiny"} 0.0' in text
+    assert 'vllm:prompt_tokens_total{engine="1",model_name="tiny"} 0.0' in text
+    line = 'vllm:request_success_total{engine="1",finished_reason="length",model_name="tiny"} 0.0'
+    assert line in text
+    series = vllm_series(text)
+    by_rank: dict[str, set[tuple[str, tuple[tuple[str, str], ...]]]] = {}
+    for name, labels, _ in series:
+        others = tuple(sorted((k, v) for k, v in labels.items() if k != "engine"))
+        by_rank.setdefault(labels["engine"], set()).add((name, others))
+    # Only the count of distinct engine values tells the DP size; each rank has the same series.
+    assert set(by_rank) == {"0", "1"}
+    assert by_rank["0"] == by_rank["1"]
+    assert len(series) == 2 * len(by_rank["0"])
+    names = {name for name, _ in by_rank["1"]}
+    for name in (
+        "vllm:num_requests_waiting",
+        "vllm:engine_sleep_state",
+        "vllm:generation_tokens_total",
+        "vllm:iteration_tokens_total_count",
+    ):
+        assert name in names
+    assert engine.state()["dp_size"] == 2
+
+
+def test_vllm_dp_header_pins_a_request_and_only_its_rank_moves(
+    launch: Callable[..., Engine],
+) -> None:
+    engine = launch("--backend", "vllm", "--dp-size", "2")
+    zero = {name: 0.0 for name in (*RANK_COUNTERS, "success")}
+    assert rank_counts(engine, 0) == rank_counts(engine, 1) == zero
+
+    for chat in (False, True):
+        before = [rank_counts(engine, rank) for rank in (0, 1)]
+        if chat:
+            body = {
+                "model": "tiny",
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 2,
+            }
+            response = engine.post("/v1/chat/completions", body, headers=pinned(1))
+        else:
+            response = engine.post("/v1/completions", completion(max_tokens=2), headers=pinned(1))
+        assert response.status_code == 200
+        after = [rank_counts(engine, rank) for rank in (0, 1)]
+        assert after[0] == before[0]
+        assert (
+            after[1]["vllm:generation_tokens_total"]
+            == before[1]["vllm:generation_tokens_total"] + 2
+        )
+        assert after[1]["success"] == before[1]["success"] + 1
+        assert after[1]["vllm:prompt_tokens_total"] > before[1]["vllm:prompt_tokens_total"]
+
+    before = [rank_counts(engine, rank) for rank in (0, 1)]
+    assert engine.post("/v1/completions", completion(), headers=pinned(0)).status_code == 200
+    after = [rank_counts(engine, rank) for rank in (0, 1)]
+    assert after[1] == before[1]
+    assert after[0]["success"] == before[0]["success"] + 1
+    assert after[0]["vllm:prompt_tokens_total"] == before[0]["vllm:prompt_tokens_total"] + 8
+
+    # A body field does not pin (vLLM ignores it), nor does a header that is not an integer:
+    # such requests are balanced, so rank 0 gets some of them.
+    before = [rank_counts(engine, rank) for rank in (0, 1)]
+    for header in ("", "one", None, "1.0"):
+        headers = {} if header is None else pinned(header)
+        body = completion(data_parallel_rank=1)
+        assert engine.post("/v1/completions", body, headers=headers).status_code == 200
+    after = [rank_counts(engine, rank) for rank in (0, 1)]
+    assert after[0]["success"] > before[0]["success"]
+    assert (
+        after[0]["success"] + after[1]["success"] == before[0]["success"] + before[1]["success"] + 4
+    )
+    assert [rank["routed"] for rank in engine.state()["ranks"]] == [
+        int(after[0]["success"]),
+        int(after[1]["success"]),
+    ]
+
+
+def test_vllm_dp_rank_out_of_range_is_a_400(launch: Callable[..., Engine]) -> None:
+    engine = launch("--backend", "vllm", "--dp-size", "2")
+    before = [rank_counts(engine, rank) for rank in (0, 1)]
+    for rank in (2, 5, -1):
+        for path, body in (
+            ("/v1/completions", completion()),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+        ):
+            rejected = engine.post(path, body, headers=pinned(rank))
+            assert rejected.status_code == 400
+            assert rejected.json() == {
+                "error": {
+                    "message": f"data_parallel_rank {rank} is out of range [0, 2).",
+                    "type": "BadRequestError",
+                    "param": None,
+                    "code": 400,
+                }
+            }
+    assert [rank_counts(engine, rank) for rank in (0, 1)] == before
+    assert [rank["routed"] for rank in engine.state()["ranks"]] == [0, 0]
+
+
+def test_vllm_dp_one_wedged_rank(launch: Callable[..., Engine]) -> None:
+    engine = launch("--backend", "vllm", "--dp-size", "2")
+    assert engine.post("/v1/completions", completion(), headers=pinned(1)).status_code == 200
+    frozen_text = engine.get("/metrics").text
+    frozen = [s for s in vllm_series(frozen_text) if s[1]["engine"] == "1"]
+    assert engine.fault(hang_ranks=[1])["hang_ranks"] == [1]
+    assert engine.state()["ranks"][1]["hung"] is True
+    assert engine.state()["ranks"][0]["hung"] is False
+
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        held = pool.submit(
+            engine.post, "/v1/completions", completion(max_tokens=2), headers=pinned(1)
+        )
+        wait_for(lambda: rank_state(engine, 1)["in_flight"] == 1)
+        # A pinned request to the wedged rank is accepted and never answered...
+        with pytest.raises(httpx.ReadTimeout):
+            engine.post(
+                "/v1/completions", completion(), headers=pinned(1), timeout=HUNG_CLIENT_TIMEOUT
+            )
+        # ...while rank 0 answers, and the server looks healthy.
+        ok = engine.post("/v1/completions", completion(max_tokens=2), headers=pinned(0))
+        assert ok.status_code == 200
+        assert ok.json()["usage"]["completion_tokens"] == 2
+        for path in ("/health", "/v1/models", "/metrics"):
+            assert engine.get(path).status_code == 200
+        # Balanced requests are sent to the wedged rank too, and those hang.
+        outcomes = []
+        for _ in range(4):
+            try:
+                response = engine.post("/v1/completions", completion(), timeout=HUNG_CLIENT_TIMEOUT)
+                outcomes.append(response.status_code)
+            except httpx.ReadTimeout:
+                outcomes.append("hung")
+        assert 200 in outcomes
+        assert "hung" in outcomes
+        # The wedged rank's series stand where they were: gauges too, though requests wait.
+        text = engine.get("/metrics").text
+        assert [s for s in vllm_series(text) if s[1]["engine"] == "1"] == frozen
+        assert sample(text, "vllm:num_requests_running", engine="1") == 0
+        assert sample(text, "vllm:num_requests_running", engine="0") == 0
+        state = rank_state(engine, 1)
+        assert state["hung"] is True
+        assert state["in_flight"] >= 3
+        assert not held.done()
+
+        # SIGCONT: the held request completes at once and the rank's counters move again.
+        assert engine.fault(hang_ranks=[])["hang_ranks"] == []
+        released = held.result(timeout=5)
+    assert released.status_code == 200
+    assert released.json()["usage"]["completion_tokens"] == 2
+    wait_for(lambda: rank_state(engine, 1)["in_flight"] == 0)
+    assert rank_state(engine, 1)["hung"] is False
+    after = engine.get("/metrics").text
+    assert sample(after, "vllm:request_success_total", engine="1", finished_reason="length") > (
+        sample(frozen_text, "vllm:request_success_total", engine="1", finished_reason="length")
+    )
+    assert engine.post("/v1/completions", completion(), headers=pinned(1)).status_code == 200
+
+
+def test_hang_ranks_must_name_existing_ranks(vllm: Engine) -> None:
+    refused = vllm.post("/_fake/fault", {"hang_ranks": [1]})
+    assert refused.status_code == 422
+    assert "[0, 1)" in refused.json()["detail"]
+    assert vllm.post("/_fake/fault", {"hang_ranks": [-1]}).status_code == 422
+    assert vllm.get("/_fake/fault").json()["hang_ranks"] == []
+
+
+def test_sglang_dp_rank_field_pins_generate(launch: Callable[..., Engine]) -> None:
+    engine = launch("--backend", "sglang", "--dp-size", "2")
+
+    def finished() -> list[int]:
+        return [rank["finished_requests"] for rank in engine.state()["ranks"]]
+
+    body = sglang_generate(max_new_tokens=2, data_parallel_rank=1)
+    assert engine.post("/generate", body).status_code == 200
+    assert finished() == [0, 1]
+    assert engine.post("/generate", sglang_generate(data_parallel_rank=0)).status_code == 200
+    assert finished() == [1, 1]
+    # The metrics stay engine-wide, without a rank label.
+    text = engine.get("/metrics").text
+    assert sample(text, "sglang:num_requests_total") == 2
+    assert sample(text, "sglang:generation_tokens_total") == 3
+    assert "engine=" not in text
+
+    rejected = engine.post("/generate", sglang_generate(data_parallel_rank=2))
+    assert rejected.status_code == 400
+    assert rejected.json() == {"error": {"message": "data_parallel_rank 2 is out of range [0, 2)."}}
+    # Only /generate's field pins; a header means nothing to SGLang.
+    assert engine.post("/v1/completions", completion(), headers=pinned(5)).status_code == 200
+
+    engine.fault(hang_ranks=[0])
+    with pytest.raises(httpx.ReadTimeout):
+        engine.post("/generate", sglang_generate(data_parallel_rank=0), timeout=HUNG_CLIENT_TIMEOUT)
+    assert engine.post("/generate", sglang_generate(data_parallel_rank=1)).status_code == 200
+    assert engine.get("/health").status_code == 200
+    assert rank_state(engine, 0)["hung"] is True
+    engine.fault(hang_ranks=[])
+    wait_for(lambda: rank_state(engine, 0)["in_flight"] == 0)
+
+
+@pytest.mark.parametrize("backend", ["trtllm", "openai"])
+def test_dp_size_is_for_vllm_and_sglang_only(backend: str) -> None:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    command = [sys.executable, "-m", "sidecar.fakeengine", "--backend", backend, "--port", "0"]
+    refused = subprocess.run(
+        [*command, "--dp-size", "2"], capture_output=True, text=True, env=env, timeout=30
+    )
+    assert refused.returncode == 2
+    assert "usage:" in refused.stderr
+    assert "--dp-size 2: data-parallel ranks exist only for --backend vllm and sglang" in (
+        refused.stderr
+    )
+    zero = subprocess.run(
+        [*command, "--dp-size", "0"], capture_output=True, text=True, env=env, timeout=30
+    )
+    assert zero.returncode == 2

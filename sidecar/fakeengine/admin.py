@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, HTTPException
 
 from sidecar.fakeengine.state import EngineState, Faults
 
@@ -19,6 +19,11 @@ def admin_router(state: EngineState) -> APIRouter:
     @router.post("/fault")
     async def set_fault(update: Faults) -> dict[str, Any]:
         """Merge the given fields into the current faults; omitted fields keep their value."""
+        outside = [rank for rank in update.hang_ranks if rank >= state.dp_size]
+        if outside:
+            raise HTTPException(
+                422, f"hang_ranks {outside}: the engine has ranks [0, {state.dp_size})"
+            )
         return state.update_faults(update.model_dump(include=update.model_fields_set)).model_dump()
 
     @router.post("/reset")

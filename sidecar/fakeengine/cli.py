@@ -33,6 +33,8 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 #: How long in-flight (possibly hung) requests may delay a SIGTERM/SIGINT shutdown.
 GRACEFUL_SHUTDOWN_SECONDS = 1
 LISTEN_BACKLOG = 2048
+#: The backends that can run data-parallel ranks (--dp-size above 1).
+DP_BACKENDS = ("vllm", "sglang")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -84,6 +86,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="vllm prefill/decode: seconds the NIXL handshake waits for a frozen prefill peer "
         "(kv_transfer_failure=handshake_timeout) before the request fails 500; vLLM has 5 s",
     )
+    parser.add_argument(
+        "--dp-size",
+        type=_positive_int,
+        default=1,
+        metavar="N",
+        help="vllm and sglang: N data-parallel ranks (vLLM --data-parallel-size, SGLang "
+        '--dp-size). vllm labels every series engine="<rank>" and pins a request to a rank '
+        "with the X-data-parallel-rank header, sglang with /generate's data_parallel_rank field "
+        "(400 out of range); other requests are balanced round-robin. The hang_ranks fault "
+        "wedges ranks",
+    )
     parser.add_argument("--port-file", type=Path, help="write the bound port here (atomically)")
     parser.add_argument("--log-level", choices=LOG_LEVELS, default="warning")
     return parser
@@ -94,6 +107,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.dev_mode and args.backend != "vllm":
         parser.error("--dev-mode (sleep mode) exists only for --backend vllm")
+    if args.dp_size > 1 and args.backend not in DP_BACKENDS:
+        parser.error(
+            f"--dp-size {args.dp_size}: data-parallel ranks exist only for --backend "
+            + " and ".join(DP_BACKENDS)
+        )
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -113,6 +131,7 @@ async def _run(args: argparse.Namespace) -> int:
         metrics_gzip=args.metrics_gzip,
         dev_mode=args.dev_mode,
         kv_handshake_timeout=args.kv_handshake_timeout,
+        dp_size=args.dp_size,
     )
     state = EngineState(config, loading_seconds=0.0 if binds_after_loading else args.load_seconds)
     server = _EngineServer(
@@ -140,9 +159,10 @@ async def _run(args: argparse.Namespace) -> int:
     port = sock.getsockname()[1]
     if args.port_file is not None:
         write_port_file(args.port_file, port)
+    ranks = f" dp-size={args.dp_size}" if args.dp_size > 1 else ""
     print(
         f"fakeengine listening on http://{_url_host(args.host)}:{port} "
-        f"backend={args.backend} mode={args.mode}",
+        f"backend={args.backend} mode={args.mode}{ranks}",
         flush=True,
     )
     await server.serve(sockets=[sock])
@@ -212,6 +232,16 @@ def write_port_file(path: Path, port: int) -> None:
 
 def _url_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
+    return value
 
 
 def _non_negative(text: str) -> float:

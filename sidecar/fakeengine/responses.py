@@ -28,6 +28,13 @@ class ApiError(Exception):
         self.message = message
 
 
+class RankOutOfRange(ApiError):
+    """A request pinned to a data-parallel rank the engine does not have (400)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(400, message)
+
+
 class ClientGone(Exception):
     """The client went away while the request was parked; nobody will read a response."""
 

@@ -94,6 +94,8 @@ class GenerateRequest(_Lenient):
     bootstrap_host: str | None = None
     bootstrap_port: int | None = None
     bootstrap_room: int | None = None
+    # GenerateReqInput.data_parallel_rank: "for data parallel rank routing".
+    data_parallel_rank: int | None = None
 
     def prompt_tokens(self) -> int:
         if self.input_ids is not None:

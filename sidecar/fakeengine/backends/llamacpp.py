@@ -54,7 +54,7 @@ class LlamaCppBackend(Backend):
         self.guard_loading()
 
     def metric_families(self) -> list[Metric]:
-        s = self.state
+        s = self.state.published_total()
         return [
             counter("llamacpp:prompt_tokens", "Prompt tokens processed.", s.prompt_tokens, {}),
             counter("llamacpp:tokens_predicted", "Tokens generated.", s.generated_tokens, {}),

@@ -1,4 +1,8 @@
-"""SGLang (``python -m sglang.launch_server``, ``--disaggregation-mode prefill|decode``)."""
+"""SGLang (``python -m sglang.launch_server``, ``--disaggregation-mode prefill|decode``).
+
+With ``--dp-size N``, ``/generate``'s ``data_parallel_rank`` field pins a request to a rank
+(others are balanced); the metrics stay engine-wide sums (no per-rank label is known).
+"""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from prometheus_client.core import Metric
+from pydantic import BaseModel
 
 from sidecar.fakeengine.backends.base import Backend, counter, gauge, new_id
 from sidecar.fakeengine.responses import ApiError, json_response, sse_response
@@ -40,7 +45,7 @@ class SglangBackend(Backend):
 
     def metric_families(self) -> list[Metric]:
         labels = {"model_name": self.config.model}
-        s = self.state
+        s = self.state.published_total()
         return [
             gauge("sglang:num_running_reqs", "Running requests.", s.running, labels),
             gauge("sglang:num_queue_reqs", "Queued requests.", s.waiting, labels),
@@ -59,6 +64,10 @@ class SglangBackend(Backend):
     async def model_info(self) -> Response:
         model = self.config.model
         return json_response({"model_path": model, "tokenizer_path": model, "is_generation": True})
+
+    def pinned_rank(self, request: Request, req: BaseModel) -> int | None:
+        """Only the native ``/generate`` body's ``data_parallel_rank`` pins a rank."""
+        return req.data_parallel_rank if isinstance(req, GenerateRequest) else None
 
     # ---------------------------------------------------------------------------- role rules
 
@@ -82,7 +91,7 @@ class SglangBackend(Backend):
             logger.warning(
                 "request %s waits for a KV transfer peer that never comes", job.request_id
             )
-            await self.park(request)
+            await self.park(request, job)
         if mode == "prefill":
             # A prefill server finishes after the prefill forward and its first token.
             job.max_tokens = min(job.max_tokens, 1)
@@ -101,6 +110,7 @@ class SglangBackend(Backend):
             max_tokens=req.sampling_params.max_new_tokens,
             prompt_ids=req.input_ids,
         )
+        self.assign_rank(job, request, req)
         job = await self._apply_roles(req.bootstrap_host, req.bootstrap_room, job, request)
         if req.stream:
             return sse_response(self._generate_chunks(job), done_marker=True)

@@ -39,7 +39,7 @@ class TrtllmBackend(Backend):
 
     def metric_families(self) -> list[Metric]:
         labels = {"model_name": self.config.model}
-        s = self.state
+        s = self.state.published_total()
         return [
             counter(
                 "trtllm_request_success",
@@ -64,7 +64,8 @@ class TrtllmBackend(Backend):
 
     async def iteration_stats(self) -> Response:
         """``/metrics`` is JSON on trtllm-serve: a list of per-iteration executor stats."""
-        stats = {"numActiveRequests": self.state.running, "numQueuedRequests": self.state.waiting}
+        s = self.state.published_total()
+        stats = {"numActiveRequests": s.running, "numQueuedRequests": s.waiting}
         return json_response([stats])
 
     async def health_generate(self) -> Response:

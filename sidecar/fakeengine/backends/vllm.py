@@ -2,6 +2,10 @@
 
 With ``--dev-mode`` (vLLM's ``VLLM_SERVER_DEV_MODE=1``) it also serves the sleep-mode routes:
 ``POST /sleep?level=1&mode=abort``, ``POST /wake_up``, ``GET /is_sleeping``.
+
+With ``--dp-size N`` it runs N data-parallel ranks, as ``--data-parallel-size N`` does: every
+``vllm:*`` series once per rank, labelled ``engine="<rank>"`` (``engine="0"`` alone with one
+rank), the ``X-data-parallel-rank`` header pinning a request to a rank.
 """
 
 from __future__ import annotations
@@ -18,11 +22,12 @@ from prometheus_client.core import (
     HistogramMetricFamily,
     Metric,
 )
+from pydantic import BaseModel
 
-from sidecar.fakeengine.backends.base import Backend, counter, gauge, new_id
-from sidecar.fakeengine.responses import ApiError, json_response, status_type
+from sidecar.fakeengine.backends.base import Backend, new_id
+from sidecar.fakeengine.responses import ApiError, RankOutOfRange, json_response, status_type
 from sidecar.fakeengine.schemas import OpenAIRequest
-from sidecar.fakeengine.state import EngineState, Job, PauseMode
+from sidecar.fakeengine.state import EngineState, Job, PauseMode, RankStats
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +44,36 @@ _PAUSE_MODES: dict[str, PauseMode] = {"abort": "abort", "wait": "wait", "keep": 
 SLEEP_STATES = ((None, "awake"), (1, "weights_offloaded"), (2, "discard_all"))
 #: vLLM's FinishReason values, each a ``vllm:request_success`` series from the start.
 FINISHED_REASONS = ("stop", "length", "abort", "error", "repetition")
+#: Pins a request to one data-parallel rank; an integer out of range is a 400, anything else
+#: (empty, not an integer) is ignored. A ``data_parallel_rank`` body field is ignored.
+RANK_HEADER = "X-data-parallel-rank"
+
+FamilyType = type[GaugeMetricFamily] | type[CounterMetricFamily]
+
+
+def _with(labels: dict[str, str], **extra: str) -> dict[str, str]:
+    """``labels`` plus ``extra``, names sorted as vLLM prints them (engine, finished_reason,
+    model_name, ...)."""
+    return dict(sorted({**labels, **extra}.items()))
+
+
+def _family(
+    kind: FamilyType, name: str, doc: str, samples: list[tuple[dict[str, str], float]]
+) -> Metric:
+    """A family of one series per label set (all with the same label names)."""
+    family = kind(name, doc, labels=list(samples[0][0]))
+    for labels, value in samples:
+        family.add_metric(list(labels.values()), value)
+    return family
+
+
+def _finished(stats: RankStats, reason: str) -> int:
+    counts = {
+        "length": stats.finished_requests,
+        "abort": stats.aborted_requests,
+        "error": stats.failed_requests,
+    }
+    return counts.get(reason, 0)
 
 
 class VllmBackend(Backend):
@@ -56,6 +91,23 @@ class VllmBackend(Backend):
 
     def error_body(self, status: int, message: str) -> object:
         return {"error": {"message": message, "type": status_type(status), "code": status}}
+
+    def api_error_body(self, exc: ApiError) -> object:
+        if isinstance(exc, RankOutOfRange):  # as measured, with its "param"
+            error = {"message": exc.message, "type": status_type(400), "param": None, "code": 400}
+            return {"error": error}
+        return super().api_error_body(exc)
+
+    def pinned_rank(self, request: Request, req: BaseModel) -> int | None:
+        """vLLM reads the rank from the ``X-data-parallel-rank`` header only, as ``int()`` would:
+        a value that is not an integer (or empty) leaves the request balanced."""
+        raw = request.headers.get(RANK_HEADER)
+        if raw is None:
+            return None
+        try:
+            return int(raw)
+        except ValueError:
+            return None
 
     def unhealthy_response(self, status: int, message: str) -> Response:
         return json_response({"error": message}, status)
@@ -86,119 +138,144 @@ class VllmBackend(Backend):
         return self.config.mode in ("prefill", "decode")
 
     def metric_families(self) -> list[Metric]:
-        labels = {"model_name": self.config.model}
-        s = self.state
+        """Every family has one series per data-parallel rank, labelled engine="<rank>" (a
+        single-rank vLLM says engine="0"), label names in alphabetical order as vLLM prints
+        them. A hung rank's series show what it published last."""
+        model = self.config.model
+        ranks = [
+            ({"engine": str(rank.index), "model_name": model}, self.state.published(rank))
+            for rank in self.state.ranks
+        ]
         families = [
-            gauge("vllm:num_requests_running", "Requests in execution batches.", s.running, labels),
-            gauge("vllm:num_requests_waiting", "Requests waiting to run.", s.waiting, labels),
-            self._waiting_by_reason(labels),
-            self._sleep_state(labels),
-            counter("vllm:prompt_tokens", "Prefill tokens processed.", s.prompt_tokens, labels),
-            counter("vllm:generation_tokens", "Tokens generated.", s.generated_tokens, labels),
-            self._iteration_tokens(labels),
-            self._request_success(labels),
+            _family(
+                GaugeMetricFamily,
+                "vllm:num_requests_running",
+                "Requests in execution batches.",
+                [(labels, s.running) for labels, s in ranks],
+            ),
+            _family(
+                GaugeMetricFamily,
+                "vllm:num_requests_waiting",
+                "Requests waiting to run.",
+                [(labels, s.waiting) for labels, s in ranks],
+            ),
+            # Waiting requests by why they wait: "deferred" for a KV transfer, else "capacity".
+            _family(
+                GaugeMetricFamily,
+                "vllm:num_requests_waiting_by_reason",
+                "Waiting requests by reason.",
+                [
+                    (_with(labels, reason=reason), value)
+                    for labels, s in ranks
+                    for reason, value in (
+                        ("capacity", s.waiting - s.deferred),
+                        ("deferred", s.deferred),
+                    )
+                ],
+            ),
+            # One series per state, 1 for the current one (all 0 asleep at level 0), published
+            # whether or not the sleep routes are served, as vLLM does.
+            _family(
+                GaugeMetricFamily,
+                "vllm:engine_sleep_state",
+                "Engine sleep state; awake = 0 means engine is sleeping; awake = 1 means engine "
+                "is awake; weights_offloaded = 1 means sleep level 1; discard_all = 1 means "
+                "sleep level 2.",
+                [
+                    (_with(labels, sleep_state=name), 1 if s.sleep_level == level else 0)
+                    for labels, s in ranks
+                    for level, name in SLEEP_STATES
+                ],
+            ),
+            _family(
+                CounterMetricFamily,
+                "vllm:prompt_tokens",
+                "Prefill tokens processed.",
+                [(labels, s.prompt_tokens) for labels, s in ranks],
+            ),
+            _family(
+                CounterMetricFamily,
+                "vllm:generation_tokens",
+                "Tokens generated.",
+                [(labels, s.generated_tokens) for labels, s in ranks],
+            ),
+            self._iteration_tokens(ranks),
+            _family(
+                CounterMetricFamily,
+                "vllm:request_success",
+                "Count of successfully processed requests.",
+                [
+                    (_with(labels, finished_reason=reason), _finished(s, reason))
+                    for labels, s in ranks
+                    for reason in FINISHED_REASONS
+                ],
+            ),
         ]
         if self.has_kv_connector:
-            families += [self._kv_fetch_by_stage(labels), *self._nixl_counters(labels)]
+            families += [self._kv_fetch_by_stage(ranks), *self._nixl_counters(ranks)]
         return families
 
-    def _request_success(self, labels: dict[str, str]) -> Metric:
-        family = CounterMetricFamily(
-            "vllm:request_success",
-            "Count of successfully processed requests.",
-            labels=[*labels, "finished_reason"],
-        )
-        s = self.state
-        counts = {"length": s.finished_requests, "abort": s.aborted_requests}
-        counts["error"] = s.failed_requests
-        for reason in FINISHED_REASONS:
-            family.add_metric([*labels.values(), reason], counts.get(reason, 0))
-        return family
-
-    def _sleep_state(self, labels: dict[str, str]) -> Metric:
-        """One series per state, 1 for the current one (all 0 asleep at level 0), published
-        whether or not the sleep routes are served, as vLLM does."""
-        family = GaugeMetricFamily(
-            "vllm:engine_sleep_state",
-            "Engine sleep state; awake = 0 means engine is sleeping; awake = 1 means engine is "
-            "awake; weights_offloaded = 1 means sleep level 1; discard_all = 1 means sleep "
-            "level 2.",
-            labels=[*labels, "sleep_state"],
-        )
-        level = self.state.sleep_level
-        for state_level, name in SLEEP_STATES:
-            family.add_metric([*labels.values(), name], 1 if level == state_level else 0)
-        return family
-
-    def _nixl_counters(self, labels: dict[str, str]) -> list[Metric]:
-        s = self.state
-        return [
-            counter(
-                "vllm:nixl_num_failed_transfers",
-                "Number of failed NIXL KV Cache transfers, including handshake and notification "
-                "failures.",
-                s.nixl_failed_transfers,
-                labels,
-            ),
-            counter(
-                "vllm:nixl_num_failed_notifications",
-                "Number of failed NIXL KV Cache notifications.",
-                s.nixl_failed_notifications,
-                labels,
-            ),
-            counter(
-                "vllm:nixl_num_kv_expired_reqs",
-                "Number of requests that had their KV expire (tracked on the P instance).",
-                s.nixl_kv_expired_reqs,
-                labels,
-            ),
-            counter(
-                "vllm:nixl_num_notifications_after_expiry",
-                "Number of completion notifications for requests that were no longer tracked.",
-                0,
-                labels,
-            ),
-        ]
-
-    def _iteration_tokens(self, labels: dict[str, str]) -> Metric:
+    @staticmethod
+    def _iteration_tokens(ranks: list[tuple[dict[str, str], RankStats]]) -> Metric:
         """A histogram: one observation per engine step that produced tokens (its _count), of
         the prompt tokens it computed plus the tokens it generated (its _sum)."""
         family = HistogramMetricFamily(
-            "vllm:iteration_tokens_total", "Tokens per engine step.", labels=list(labels)
+            "vllm:iteration_tokens_total", "Tokens per engine step.", labels=list(ranks[0][0])
         )
-        s = self.state
-        family.add_metric(
-            list(labels.values()), [("+Inf", float(s.steps))], sum_value=s.iteration_tokens
-        )
+        for labels, s in ranks:
+            family.add_metric(
+                list(labels.values()), [("+Inf", float(s.steps))], sum_value=s.iteration_tokens
+            )
         return family
 
-    def _waiting_by_reason(self, labels: dict[str, str]) -> Metric:
-        """Waiting requests by why they wait: "deferred" for a KV transfer, else "capacity"."""
-        family = GaugeMetricFamily(
-            "vllm:num_requests_waiting_by_reason",
-            "Waiting requests by reason.",
-            labels=[*labels, "reason"],
-        )
-        deferred = self.state.deferred
-        family.add_metric([*labels.values(), "capacity"], self.state.waiting - deferred)
-        family.add_metric([*labels.values(), "deferred"], deferred)
-        return family
+    @staticmethod
+    def _nixl_counters(ranks: list[tuple[dict[str, str], RankStats]]) -> list[Metric]:
+        return [
+            _family(
+                CounterMetricFamily,
+                "vllm:nixl_num_failed_transfers",
+                "Number of failed NIXL KV Cache transfers, including handshake and notification "
+                "failures.",
+                [(labels, s.nixl_failed_transfers) for labels, s in ranks],
+            ),
+            _family(
+                CounterMetricFamily,
+                "vllm:nixl_num_failed_notifications",
+                "Number of failed NIXL KV Cache notifications.",
+                [(labels, s.nixl_failed_notifications) for labels, s in ranks],
+            ),
+            _family(
+                CounterMetricFamily,
+                "vllm:nixl_num_kv_expired_reqs",
+                "Number of requests that had their KV expire (tracked on the P instance).",
+                [(labels, s.nixl_kv_expired_reqs) for labels, s in ranks],
+            ),
+            _family(
+                CounterMetricFamily,
+                "vllm:nixl_num_notifications_after_expiry",
+                "Number of completion notifications for requests that were no longer tracked.",
+                [(labels, 0) for labels, _ in ranks],
+            ),
+        ]
 
-    def _kv_fetch_by_stage(self, labels: dict[str, str]) -> Metric:
+    @staticmethod
+    def _kv_fetch_by_stage(ranks: list[tuple[dict[str, str], RankStats]]) -> Metric:
         """Only a KV consumer publishes it; every deferred request counts as "in_progress" (a
         real vLLM moves it there as soon as its blocks are allocated, before any handshake)."""
-        family = GaugeMetricFamily(
+        return _family(
+            GaugeMetricFamily,
             "vllm:num_requests_kv_fetch_by_stage",
             "Requests fetching KV from a remote instance, by stage.",
-            labels=[*labels, "stage"],
+            [
+                (_with(labels, stage=stage), value)
+                for labels, s in ranks
+                for stage, value in (
+                    ("waiting_to_start", 0),
+                    ("in_progress", s.deferred),
+                    ("completed_waiting", 0),
+                )
+            ],
         )
-        for stage, value in (
-            ("waiting_to_start", 0),
-            ("in_progress", self.state.deferred),
-            ("completed_waiting", 0),
-        ):
-            family.add_metric([*labels.values(), stage], value)
-        return family
 
     def register_native(self, app: FastAPI) -> None:
         app.add_api_route("/health", self.health, methods=["GET"])
@@ -251,7 +328,7 @@ class VllmBackend(Backend):
         if not params or not self.has_kv_connector:
             return job
         if params.get("do_remote_prefill"):
-            await self._pull_remote_kv(params, request)
+            await self._pull_remote_kv(params, job, request)
         if params.get("do_remote_decode"):
             job.meta["remote_decode"] = True
         return job
@@ -268,7 +345,7 @@ class VllmBackend(Backend):
         finally:
             self.state.held -= 1
 
-    async def _pull_remote_kv(self, params: dict[str, Any], request: Request) -> None:
+    async def _pull_remote_kv(self, params: dict[str, Any], job: Job, request: Request) -> None:
         if not params.get("remote_block_ids"):
             # The scheduler already promised external tokens it can never load: it asserts,
             # the engine core dies and /health turns 503 for good.
@@ -278,10 +355,10 @@ class VllmBackend(Backend):
         if any(not params.get(name) for name in _PEER_FIELDS):
             # No NIXL read is ever queued, yet the request waits for its remote KVs.
             logger.warning("Got invalid KVTransferParams: %s; request parks forever", params)
-            await self.park(request, on_peer=True)
-        await self._transfer(request)
+            await self.park(request, job, on_peer=True)
+        await self._transfer(job, request)
 
-    async def _transfer(self, request: Request) -> None:
+    async def _transfer(self, job: Job, request: Request) -> None:
         """The NIXL read, as the kv_transfer_failure fault says; it returns once the KV is in.
         While it lasts the request waits "deferred", its fetch "in_progress"."""
         state = self.state
@@ -292,20 +369,20 @@ class VllmBackend(Backend):
 
             if failure == "peer_frozen":
                 # Frozen after the handshake: the read never completes, nothing counts.
-                await self.park(request, on_peer=True, until=changed)
+                await self.park(request, job, on_peer=True, until=changed)
             elif failure == "handshake_timeout":
                 # Frozen before the handshake: its side channel times out.
                 timeout = self.config.kv_handshake_timeout
-                if not await self.park(request, on_peer=True, until=changed, seconds=timeout):
-                    self._fail_transfer(failed_transfers=2, failed_notifications=0)
+                if not await self.park(request, job, on_peer=True, until=changed, seconds=timeout):
+                    self._fail_transfer(job, failed_transfers=2, failed_notifications=0)
             else:
                 # Killed: the read fails at once, and so does its completion notification.
-                await self.park(request, on_peer=True, seconds=PEER_KILLED_SECONDS)
-                self._fail_transfer(failed_transfers=2, failed_notifications=1)
+                await self.park(request, job, on_peer=True, seconds=PEER_KILLED_SECONDS)
+                self._fail_transfer(job, failed_transfers=2, failed_notifications=1)
 
-    def _fail_transfer(self, *, failed_transfers: int, failed_notifications: int) -> None:
+    def _fail_transfer(self, job: Job, *, failed_transfers: int, failed_notifications: int) -> None:
         """The KV load failed: the request finishes with an error, which vLLM answers 500."""
-        s = self.state
+        s = self.state.ranks[job.rank].stats
         s.nixl_failed_transfers += failed_transfers
         s.nixl_failed_notifications += failed_notifications
         s.failed_requests += 1
