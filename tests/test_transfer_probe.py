@@ -122,3 +122,21 @@ def test_listed_kv_transfer_gates_readiness_and_a_dead_peer_is_named(engine, sid
     assert body["endpoints"] == {"generate": "ready", "kv_transfer": "notready"}
     assert "kv_transfer: canary refused: prefill peer: cannot connect" in body["reason"]
     assert side.get("/live").status_code == 200
+
+
+def test_a_transfer_that_brings_corrupted_kv_is_a_wrong_answer(engine, sidecar):
+    """The transfer completes and the decode answers 200, but the pulled KV is corrupted: only
+    the comparison with a local prefill tells."""
+    _, decode, side = pair(engine, sidecar)
+    side.wait_status(200, 5)
+    wait_until(lambda: kv_check(side)["reason"].startswith("canary passed"), 5, what="a probe")
+    decode.fault(kv_corrupt=True)
+    wait_until(lambda: kv_check(side)["consecutive_failures"] >= 2, 6, what="two failed probes")
+    check = kv_check(side)
+    assert check["last_canary"]["outcome"] == "wrong_answer"
+    assert "the transferred KV decodes to" in check["reason"]
+    assert "corrupted KV" in check["reason"]
+    assert side.health()[0] == 200  # informs
+    assert side.get("/live").status_code == 200
+    decode.fault(kv_corrupt=False)
+    wait_until(lambda: kv_check(side)["reason"].startswith("canary passed"), 6, what="recovery")

@@ -36,7 +36,13 @@ MODES: tuple[str, ...] = get_args(Mode)
 #: SGLang's bootstrap host that selects the fake KV transfer (warm-up and health probes).
 FAKE_BOOTSTRAP_HOST = "2.2.2.2"
 MAX_RECORDED_REQUESTS = 10_000
-RECORDED_HEADERS = ("x-request-id", "user-agent", "authorization", "content-type")
+RECORDED_HEADERS = (
+    "x-request-id",
+    "user-agent",
+    "authorization",
+    "content-type",
+    "x-data-parallel-rank",
+)
 DEFAULT_GENERATION_ERROR = "Injected generation failure (fake engine)"
 #: NIXL's side-channel handshake waits this long for the peer (hard-coded 5 s in vLLM 0.32).
 NIXL_HANDSHAKE_TIMEOUT = 5.0
@@ -74,6 +80,9 @@ class Faults(BaseModel):
     # as each answer starts its first token; then answers are right again).
     wrong_answer: bool = False
     wrong_answers: int = Field(default=0, ge=0)
+    # vLLM decode: KV pulled from a prefill peer arrives corrupted: the transfer completes, the
+    # request answers 200, well formed, but decodes other tokens than a local prefill would.
+    kv_corrupt: bool = False
     # vLLM prefill/decode: how the NIXL pull of a do_remote_prefill request's KV goes (see
     # VllmBackend._transfer). "peer_killed": 500 at once, failed transfers +2 and failed
     # notifications +1; "handshake_timeout": 500 after the handshake timeout, failed transfers
@@ -438,7 +447,7 @@ class EngineState:
                     self._abort(job)
                     return
                 if position == 0:
-                    wrong = self.take_wrong_answer()
+                    wrong = self.take_wrong_answer() or bool(job.meta.get("corrupt_kv"))
                 stats.generated_tokens += 1
                 # One step per token; the first one also computed the prompt (as vLLM counts).
                 stats.steps += 1

@@ -329,6 +329,7 @@ class VllmBackend(Backend):
             return job
         if params.get("do_remote_prefill"):
             await self._pull_remote_kv(params, job, request)
+            job.meta["corrupt_kv"] = self.state.faults.kv_corrupt
         if params.get("do_remote_decode"):
             job.meta["remote_decode"] = True
         return job
