@@ -140,7 +140,10 @@ def test_busy_under_load_then_sigstop_mid_load(llama, sidecar):
         while time.monotonic() < deadline:
             assert side.get("/health").status_code == 200  # busy is not hung
             time.sleep(0.1)
-        assert canaries_sent(side) - before <= 1  # the load progresses: no extra canaries
+        # The load progresses: canaries are held back. Between two back-to-back requests a
+        # metrics read may find the engine idle for a moment and let one routine canary go
+        # (one CI run on a loaded machine: 2); an engine read as idle throughout gets 4.
+        assert canaries_sent(side) - before <= 2
         _, body = side.health()
         assert body["reason"].startswith("generate: canary passed")
         assert body["checks"]["generate"]["progress"]["readable"] is True

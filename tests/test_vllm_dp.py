@@ -101,11 +101,19 @@ def test_with_one_rank_required_a_wedged_rank_leaves_the_worker_ready_and_degrad
     vllm_dp, sidecar
 ):
     side = sidecar(env(vllm_dp, SIDECAR_DP_RANKS="2", SIDECAR_DP_MIN_READY_RANKS="1"))
-    side.wait_status(200, 30)
+    # With one rank required the worker is ready (degraded) as soon as one rank passed: wait
+    # until both have.
+    wait_until(
+        lambda: health(side)["reason"] == "generate: 2 of 2 ranks ready", 30, what="both ranks"
+    )
     rank1 = vllm_dp.pid_of("VLLM::EngineCore_DP1")
     pause(rank1)
     try:
-        wait_until(lambda: health(side)["ranks"]["generate"]["degraded"], 10, what="degraded")
+        wait_until(
+            lambda: "generate/rank1: canary timeout" in health(side)["reason"],
+            10,
+            what="rank 1's canary to time out",
+        )
         status = side.get("/health").status_code
         body = health(side)
         assert status == 200
