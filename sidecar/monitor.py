@@ -142,6 +142,18 @@ class Monitor:
             self._start_unit(name, plan)
         self._changed_now()
 
+    async def _reached(self, due: float | None, changed: asyncio.Event) -> bool:
+        """True when ``due`` (monotonic; None: never) has come; else wait until it comes or the
+        state changes, and return False (the caller looks again)."""
+        if due is None:
+            await wait_event(changed, None)
+            return False
+        delay = due - self.health.clock()
+        if delay > 0:
+            await wait_event(changed, delay)
+            return False
+        return True
+
     def _changed_now(self) -> None:
         """Wake the canary loops: the state changed."""
         self._changed.set()
@@ -156,14 +168,10 @@ class Monitor:
                 for ep in self.health.snapshot.endpoints.values()
                 if ep.lifecycle.maintenance is not None
             ]
-            if not windows:
-                await wait_event(changed, None)
+            first = min(windows, key=lambda m: m.until, default=None)
+            if not await self._reached(first.until if first else None, changed):
                 continue
-            first = min(windows, key=lambda m: m.until)
-            delay = first.until - self.health.clock()
-            if delay > 0:
-                await wait_event(changed, delay)
-                continue
+            assert first is not None
             self.health.end_maintenance(f"its {first.until - first.since:g} s are up")
             self._changed_now()
 
@@ -196,12 +204,7 @@ class Monitor:
         while True:
             changed = self._changed
             due = self._transfer_due(name)
-            if due is None:
-                await wait_event(changed, None)
-                continue
-            delay = due - self.health.clock()
-            if delay > 0:
-                await wait_event(changed, delay)
+            if not await self._reached(due, changed):
                 continue
             ep = self.health.snapshot.endpoints[name]
             model = next(iter(m for m in self.health.snapshot.models.values() if m), None)
@@ -297,12 +300,7 @@ class Monitor:
             changed = self._changed
             ep = self.health.snapshot.endpoints[name]
             due = canary_due(ep, policy)
-            if due is None:
-                await wait_event(changed, None)
-                continue
-            delay = due - self.health.clock()
-            if delay > 0:
-                await wait_event(changed, delay)
+            if not await self._reached(due, changed):
                 continue
             confirming = suspected(ep, policy, self.health.clock())
             request = plan.request(self.health.snapshot.models[name], f"canary-{uuid.uuid4()}")

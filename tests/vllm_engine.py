@@ -26,6 +26,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from sidecar.canary.transfer import REMOTE_DECODE
 from tests.engines import require
 from tests.harness import LOOPBACK, Proc, base_env, free_port, wait_until
 
@@ -39,15 +40,6 @@ WORKER = "VLLM::Worker"
 # gives each container a CPU cgroup of its own; one cgroup shared here needs the engine niced.
 ENGINE_NICE = 19
 GREEDY = {"temperature": 0, "ignore_eos": True, "stream": False}
-# What vLLM's NIXL connector reads in a prefill request: "keep the KV, a decoder will pull it".
-REMOTE_DECODE = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
 
 
 def _comm_and_cmdline(pid: int) -> tuple[str, str]:
