@@ -26,10 +26,10 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 # only one a canary can prove, so it is the only one a user may list.
 GENERATE = "generate"
 MONITORED_ENDPOINTS: tuple[str, ...] = (GENERATE,)
-# Endpoints that exist only when configured (name -> the variable that adds it). They inform,
+# Endpoints that exist only when configured (kv_transfer: SIDECAR_KV_PEER_URL). They inform,
 # and gate readiness only when DYN_SYSTEM_USE_ENDPOINT_HEALTH_STATUS lists them.
 KV_TRANSFER = "kv_transfer"
-OPTIONAL_ENDPOINTS: dict[str, str] = {KV_TRANSFER: "SIDECAR_KV_PEER_URL"}
+OPTIONAL_ENDPOINTS: tuple[str, ...] = (KV_TRANSFER,)
 
 MAX_SECONDS = 86_400.0
 MAX_VALUE_SHOWN = 80
@@ -436,16 +436,14 @@ class Settings(BaseSettings):
     @field_validator("dp_ranks", mode="before")
     @classmethod
     def _ranks(cls, value: Any) -> Any:
-        if isinstance(value, str):
-            text = value.strip()
-            if text == "auto":
-                return "auto"
-            if not text.isdigit() or not 1 <= int(text) <= 1024:
-                raise ValueError("not an integer from 1 to 1024, nor auto")
-            return int(text)
-        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 1024:
-            raise ValueError("not an integer from 1 to 1024, nor auto")
-        return value
+        text = value.strip() if isinstance(value, str) else value
+        if text == "auto":
+            return text
+        if isinstance(text, str) and text.isdigit():
+            text = int(text)
+        if isinstance(text, int) and not isinstance(text, bool) and 1 <= text <= 1024:
+            return text
+        raise ValueError("not an integer from 1 to 1024, nor auto")
 
     @field_validator("use_endpoint_health_status", mode="before")
     @classmethod
@@ -623,13 +621,12 @@ def _cross_checks(s: Settings) -> list[str]:
             f"(the transfer probe speaks vLLM's NIXL connector from a decode worker; this is "
             f"{s.backend} {s.disaggregation_mode})"
         )
-    for name, variable in OPTIONAL_ENDPOINTS.items():
-        if name in s.use_endpoint_health_status and s.kv_peer_url is None:
-            lines.append(
-                f"{env_name('use_endpoint_health_status')}="
-                f"{_shown('use_endpoint_health_status', list(s.use_endpoint_health_status))}: "
-                f"expected {name!r} listed only with {variable} set"
-            )
+    if KV_TRANSFER in s.use_endpoint_health_status and s.kv_peer_url is None:
+        lines.append(
+            f"{env_name('use_endpoint_health_status')}="
+            f"{_shown('use_endpoint_health_status', list(s.use_endpoint_health_status))}: "
+            f"expected {KV_TRANSFER!r} listed only with {env_name('kv_peer_url')} set"
+        )
     if s.dp_ranks == "auto" and s.backend is Backend.SGLANG:
         lines.append(
             f"{env_name('dp_ranks')}=auto: expected a number (SGLang's metrics do not tell "

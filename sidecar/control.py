@@ -28,7 +28,7 @@ from pydantic import BaseModel, Field, field_validator
 from sidecar import __version__
 from sidecar.config import Settings
 from sidecar.health import Health
-from sidecar.report import iso
+from sidecar.report import maintenance_body
 
 CONTROL_HOST = "127.0.0.1"
 _PRINTABLE = re.compile(r"[^\x00-\x1f\x7f]+")
@@ -51,22 +51,10 @@ class Window(BaseModel):
 
 
 def _window(health: Health) -> dict[str, Any]:
-    now = health.clock()
-    windows = [
-        ep.lifecycle.maintenance
-        for ep in health.snapshot.endpoints.values()
-        if ep.lifecycle.maintenance is not None
-    ]
-    if not windows:
-        return {"maintenance": None}
-    m = windows[0]
-    return {
-        "maintenance": {
-            "reason": m.reason,
-            "since": iso(m.since_wall),
-            "ends_in_seconds": round(max(0.0, m.until - now), 3),
-        }
-    }
+    """The declared window (every endpoint has the same one), as /health shows it."""
+    windows = (ep.lifecycle.maintenance for ep in health.snapshot.endpoints.values())
+    window = next((w for w in windows if w is not None), None)
+    return {"maintenance": maintenance_body(window, health.clock())}
 
 
 def create_control_app(settings: Settings, health: Health, submit: Submit) -> FastAPI:

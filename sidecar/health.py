@@ -176,7 +176,8 @@ class Health:
     def set_ranks(self, ranks: int) -> dict[str, CanaryPlan]:
         """Check each endpoint rank by rank from now on (SIDECAR_DP_RANKS=auto, once the engine's
         metrics told how many): each rank gets a fresh canary source and keeps what the engine
-        said of registration and lifecycle. Returns the new plans by unit."""
+        said of registration and lifecycle. Returns the new plans by unit; the caller cancels the
+        old units' loops in the same step, so that nothing writes to a unit that is gone."""
         snap = self.snapshot
         now = self.clock()
         plans: dict[str, CanaryPlan] = {}
@@ -210,9 +211,7 @@ class Health:
 
     # --- writers: the monitor's thread only ----------------------------------------------------
     def record_registration(self, name: str, result: Result) -> None:
-        before = self.snapshot.endpoints.get(name)
-        if before is None:  # a unit replaced by its ranks meanwhile
-            return
+        before = self.snapshot.endpoints[name]
         after = apply_registration(before, result, self.policy)
         if before.registration.registered != after.registration.registered:
             log.info(
@@ -236,9 +235,7 @@ class Health:
         cost: CanaryCost | None = None,
         suspected: bool = False,
     ) -> None:
-        before = self.snapshot.endpoints.get(name)
-        if before is None:  # a unit replaced by its ranks meanwhile
-            return
+        before = self.snapshot.endpoints[name]
         result = judged(before, result, self.policy)
         for listener in self.listeners:
             listener.on_canary(name, result)
@@ -281,9 +278,7 @@ class Health:
         spec: ProgressSpec,
         own: CanaryCost | None = None,
     ) -> None:
-        before = self.snapshot.endpoints.get(name)
-        if before is None:  # a unit replaced by its ranks meanwhile
-            return
+        before = self.snapshot.endpoints[name]
         after = apply_sample(before, sample, why, spec, own)
         said = (after.progress.readable, after.progress.why)
         if self._progress_said.get(name) != said:  # once per change, not per incarnation
@@ -302,9 +297,7 @@ class Health:
         self, name: str, sleeping: bool | None, why: str, *, gauge: bool, missing: bool = False
     ) -> None:
         """What the engine's sleep route (``gauge`` False) or sleep-state gauge said."""
-        before = self.snapshot.endpoints.get(name)
-        if before is None:  # a unit replaced by its ranks meanwhile
-            return
+        before = self.snapshot.endpoints[name]
         now = self.clock()
         if gauge:
             after = lifecycle.on_sleep_gauge(before.lifecycle, sleeping, why, now)
@@ -315,9 +308,7 @@ class Health:
         self._pause_change(name, before.lifecycle, after)
 
     def record_transfers(self, name: str, sample: TransferSample | None) -> None:
-        before = self.snapshot.endpoints.get(name)
-        if before is None:  # a unit replaced by its ranks meanwhile
-            return
+        before = self.snapshot.endpoints[name]
         after = apply_transfers(before, sample)
         now = self.clock()
         was, is_ = before.transfers.failing(now), after.transfers.failing(now)
@@ -377,9 +368,7 @@ class Health:
 
     def _commit(self, name: str, after: EndpointState) -> None:
         snap = self.snapshot
-        before = snap.endpoints.get(name)
-        if before is None:  # a unit replaced meanwhile (ranks discovered): nothing to apply
-            return
+        before = snap.endpoints[name]
         if after == before:
             self.snapshot = replace(snap, heartbeat=self.clock())
             return

@@ -5,7 +5,11 @@ heartbeat, all owned by one TaskGroup on the monitor's event loop.
   the served model when the canary needs it).
 - Progress: GET the engine's metrics every SIDECAR_METRICS_INTERVAL.
 - Sleep: with the registration check, ask a backend that can sleep whether it sleeps; with the
-  metrics read, read its sleep-state gauge, and its KV-transfer counters.
+  metrics read, read its sleep-state gauge.
+- KV transfers: with the metrics read, read the failed-transfer counters; the transfer probe
+  (SIDECAR_KV_PEER_URL) runs on a schedule of its own (:meth:`Monitor._transfer_due`).
+- Ranks: with SIDECAR_DP_RANKS=auto, count them in the metrics once, then run every loop per
+  rank.
 - Maintenance: end a declared window when its time is up.
 - Canary: send one when :func:`sidecar.endpoint.canary_due` says so, wait for its whole answer,
   record it, and only then look at the next: never more than one in flight per endpoint. With
@@ -180,8 +184,8 @@ class Monitor:
         passes, every retry interval while failing or unproven, and at once (at most every
         retry) when this worker's metrics counted a failed transfer since the last probe."""
         snap = self.health.snapshot
-        ep = snap.endpoints.get(name)
-        if ep is None or not ep.registration.registered or ep.lifecycle.paused:
+        ep = snap.endpoints[name]
+        if not ep.registration.registered or ep.lifecycle.paused:
             return None
         last, policy = ep.canary.last, self.health.policy
         if last is None:
@@ -206,10 +210,10 @@ class Monitor:
             due = self._transfer_due(name)
             if not await self._reached(due, changed):
                 continue
-            ep = self.health.snapshot.endpoints[name]
-            model = next(iter(m for m in self.health.snapshot.models.values() if m), None)
-            model = model or self.health.settings.model
-            result = await probe.run(model)
+            # Its registration loop learns the served model, as a canary's does.
+            snap = self.health.snapshot
+            ep = snap.endpoints[name]
+            result = await probe.run(snap.models[name])
             log.debug("%s: transfer probe %s: %s", name, result.outcome, result.reason)
             self.health.record_canary(name, result, ep.incarnation)
             self._changed_now()

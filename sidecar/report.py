@@ -11,6 +11,7 @@ from typing import Any
 
 from sidecar.config import StartingStatus
 from sidecar.endpoint import EndpointState, parked, suspected
+from sidecar.evidence.lifecycle import Maintenance
 from sidecar.evidence.transfers import WINDOW
 from sidecar.health import HEARTBEAT_STALE, Snapshot, liveness_of, readiness_of
 from sidecar.verdict import RULE_TEXT, engine_disagrees
@@ -44,20 +45,24 @@ def _progress(ep: EndpointState, snap: Snapshot, now: float) -> dict[str, Any]:
     }
 
 
+def maintenance_body(window: Maintenance | None, now: float) -> dict[str, Any] | None:
+    """A maintenance window as /health and the control route show it."""
+    if window is None:
+        return None
+    return {
+        "reason": window.reason,
+        "since": iso(window.since_wall),
+        "ends_in_seconds": round(max(0.0, window.until - now), 3),
+    }
+
+
 def _lifecycle(ep: EndpointState, now: float) -> dict[str, Any]:
     state = ep.lifecycle
-    window = state.maintenance
     return {
         "paused": state.paused,
         "sleeping": state.sleeping,
         "sleep_detail": state.sleep_why if state.sleeping else None,
-        "maintenance": None
-        if window is None
-        else {
-            "reason": window.reason,
-            "since": iso(window.since_wall),
-            "ends_in_seconds": round(max(0.0, window.until - now), 3),
-        },
+        "maintenance": maintenance_body(state.maintenance, now),
     }
 
 

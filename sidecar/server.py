@@ -98,16 +98,17 @@ class MonitorThread:
 
     async def _main(self) -> None:
         settings, parts = self.settings, self.parts
+        key = settings.engine_api_key.get_secret_value() if settings.engine_api_key else None
         client = EngineClient(
             settings.engine_url,
             timeout=settings.request_timeout,
             max_bytes=settings.max_response_bytes,
-            api_key=settings.engine_api_key.get_secret_value() if settings.engine_api_key else None,
+            api_key=key,
             clock=parts.health.clock,
         )
-        key = settings.engine_api_key.get_secret_value() if settings.engine_api_key else None
-        probe = (
-            TransferProbe(
+        probe = None
+        if settings.kv_peer_url is not None:
+            probe = TransferProbe(
                 settings.kv_peer_url,
                 settings.engine_url,
                 timeout=settings.kv_probe_timeout,
@@ -116,9 +117,6 @@ class MonitorThread:
                 api_key=key,
                 clock=parts.health.clock,
             )
-            if settings.kv_peer_url is not None
-            else None
-        )
         monitor = Monitor(
             parts.health,
             client,
@@ -163,19 +161,25 @@ class _Server(uvicorn.Server):
         yield
 
 
+def _server(app: FastAPI, host: str, port: int, *, grace: float) -> _Server:
+    """uvicorn as the sidecar runs it: its logging, no access log, no lifespan, no banner."""
+    return _Server(
+        uvicorn.Config(
+            app,
+            host=host,
+            port=port,
+            log_config=None,
+            access_log=False,
+            lifespan="off",
+            server_header=False,
+            timeout_graceful_shutdown=grace,
+        )
+    )
+
+
 async def serve(settings: Settings) -> int:
     parts = build(settings)
-    config = uvicorn.Config(
-        parts.app,
-        host=settings.system_host,
-        port=settings.system_port,
-        log_config=None,
-        access_log=False,
-        lifespan="off",
-        server_header=False,
-        timeout_graceful_shutdown=5,
-    )
-    server = _Server(config)
+    server = _server(parts.app, settings.system_host, settings.system_port, grace=5)
     loop = asyncio.get_running_loop()
     monitor = MonitorThread(settings, parts)
 
@@ -189,18 +193,8 @@ async def serve(settings: Settings) -> int:
 
     control: _Server | None = None
     if settings.control_port is not None:
-        control = _Server(
-            uvicorn.Config(
-                create_control_app(settings, parts.health, submit),
-                host=CONTROL_HOST,
-                port=settings.control_port,
-                log_config=None,
-                access_log=False,
-                lifespan="off",
-                server_header=False,
-                timeout_graceful_shutdown=1,
-            )
-        )
+        app = create_control_app(settings, parts.health, submit)
+        control = _server(app, CONTROL_HOST, settings.control_port, grace=1)
     servers = [server] if control is None else [server, control]
 
     def exit_all() -> None:

@@ -20,10 +20,10 @@ registered         notready                notready   the canary's reason ("stal
 
 Failing KV transfers from prefill peers (:mod:`sidecar.evidence.transfers`) add a note to the
 reason of a registered endpoint and change nothing else. Maintenance and sleep come from the
-lifecycle source (:mod:`sidecar.evidence.lifecycle`); while
-either holds no canary is sent. "none" counts as DYN_SYSTEM_STARTING_HEALTH_STATUS says. The
-engine's metrics never appear in the verdict column: they only shape the canary's schedule and
-how a timeout is counted.
+lifecycle source (:mod:`sidecar.evidence.lifecycle`); while either holds no canary is sent. An
+endpoint split into data-parallel ranks is decided by :func:`rank_verdict`. "none" counts as
+DYN_SYSTEM_STARTING_HEALTH_STATUS says. The engine's metrics never appear in the verdict column:
+they only shape the canary's schedule and how a timeout is counted.
 
 The worker's readiness (:func:`decide_readiness`): every counted endpoint ready (those listed in
 DYN_SYSTEM_USE_ENDPOINT_HEALTH_STATUS, or all), and not draining.

@@ -20,6 +20,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from sidecar.canary.transfer import REMOTE_DECODE
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 HOST = "127.0.0.1"
 START_TIMEOUT = 10.0
@@ -322,16 +324,7 @@ def test_vllm_decode_runs_plain_requests_and_dies_on_bad_remote_prefill(
 def test_vllm_prefill_to_decode_handoff(launch: Callable[..., Engine]) -> None:
     prefill = launch("--backend", "vllm", "--mode", "prefill")
     decode = launch("--backend", "vllm", "--mode", "decode")
-    leg1 = completion(
-        kv_transfer_params={
-            "do_remote_decode": True,
-            "do_remote_prefill": False,
-            "remote_engine_id": None,
-            "remote_block_ids": None,
-            "remote_host": None,
-            "remote_port": None,
-        }
-    )
+    leg1 = completion(kv_transfer_params=REMOTE_DECODE)
     params = prefill.post("/v1/completions", leg1).json()["kv_transfer_params"]
     assert params["do_remote_prefill"] is True
     assert params["remote_block_ids"]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
@@ -23,12 +23,14 @@ from sidecar.evidence.transfers import TransferSpec
 PROMPT_TOKEN_IDS: tuple[int, ...] = (100, 101, 102, 103, 104, 105, 106, 107)
 
 
-def token_completion_body(model: str | None, max_tokens: int) -> dict[str, Any]:
-    """A greedy OpenAI-style completion of the token-id prompt that generates exactly
-    ``max_tokens`` tokens (vLLM, TensorRT-LLM)."""
+def token_completion_body(
+    model: str | None, max_tokens: int, prompt: Sequence[int] = PROMPT_TOKEN_IDS
+) -> dict[str, Any]:
+    """A greedy OpenAI-style completion of a token-id prompt (the canary's unless given) that
+    generates exactly ``max_tokens`` tokens (vLLM, TensorRT-LLM)."""
     return {
         "model": model,
-        "prompt": list(PROMPT_TOKEN_IDS),
+        "prompt": list(prompt),
         "max_tokens": max_tokens,
         "temperature": 0,
         "ignore_eos": True,
@@ -73,6 +75,7 @@ class Prober:
     # The engine's "are you asleep" route (answers {"is_sleeping": bool}), and the gauge that is
     # 1 while it is awake (0 asleep) in its metrics; none for a backend that cannot sleep.
     sleep_path: ClassVar[str | None] = None
+    awake: ClassVar[tuple[Series, ...]] = ()
     # How a request is pinned to one data-parallel rank (a header, or a body field), and the
     # label that tells ranks apart in the engine's metrics; None where the backend has none.
     rank_header: ClassVar[str | None] = None
@@ -80,7 +83,6 @@ class Prober:
     rank_label: ClassVar[str | None] = None
     # The counters of failed KV transfers from prefill peers, and the requests fetching KV now.
     transfers: ClassVar[TransferSpec | None] = None
-    awake: ClassVar[tuple[Series, ...]] = ()
 
     def skip_reason(self, role: Role) -> str | None:
         """Why this role gets no built-in canary, or None when it gets one."""

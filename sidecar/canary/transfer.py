@@ -22,6 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from sidecar.canary.base import token_completion_body
+
 # What vLLM's NIXL connector reads in a prefill request: "keep the KV, a decoder will pull it".
 REMOTE_DECODE: dict[str, Any] = {
     "do_remote_decode": True,
@@ -41,24 +43,12 @@ def probe_prompt(tokens: int, nonce: int) -> list[int]:
     return [100 + (nonce * 131 + i * 7) % 400 for i in range(tokens)]
 
 
-def _greedy(model: str | None, prompt: list[int], max_tokens: int) -> dict[str, Any]:
-    return {
-        "model": model,
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": False,
-    }
-
-
 @dataclass(frozen=True)
 class TransferBodies:
     """The three requests of one probe."""
 
     prefill: dict[str, Any]
     local: dict[str, Any]
-    salt: str
 
     def decode(self, params: dict[str, Any]) -> dict[str, Any]:
         """The decode leg, with the parameters the peer's answer gave."""
@@ -68,16 +58,16 @@ class TransferBodies:
 def bodies(model: str | None, tokens: int, nonce: int, request_id: str) -> TransferBodies:
     prompt = probe_prompt(tokens, nonce)
     salt = f"health-sidecar-{request_id}"
-    prefill = _greedy(model, prompt, 1) | {
+    prefill = token_completion_body(model, 1, prompt) | {
         "kv_transfer_params": dict(REMOTE_DECODE),
         "cache_salt": salt,
         "request_id": request_id,
     }
-    local = _greedy(model, prompt, DECODE_TOKENS) | {
+    local = token_completion_body(model, DECODE_TOKENS, prompt) | {
         "cache_salt": salt + "-local",
         "request_id": request_id + "-local",
     }
-    return TransferBodies(prefill, local, salt)
+    return TransferBodies(prefill, local)
 
 
 def transfer_params(answer: Any) -> dict[str, Any] | None:

@@ -21,9 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from prometheus_client.parser import text_string_to_metric_families
-
-from sidecar.evidence.progress import Series
+from sidecar.evidence.progress import MetricsUnreadable, Series, matching
 
 
 @dataclass(frozen=True)
@@ -116,20 +114,16 @@ def sleeping_in(text: str, awake: tuple[Series, ...]) -> tuple[bool | None, str]
     data-parallel rank) at 0. None when none is published."""
     if not awake:
         return None, ""
-    wanted = tuple({s.name for s in awake})
-    kept = "\n".join(line for line in text.splitlines() if line.startswith(wanted))
-    asleep: list[str] = []
-    seen = False
     try:
-        for family in text_string_to_metric_families(kept + "\n"):
-            for sample in family.samples:
-                if any(sample.name == s.name and s.matches(sample.labels) for s in awake):
-                    seen = True
-                    if sample.value == 0:
-                        engine = sample.labels.get("engine")
-                        asleep.append(f"engine {engine}" if engine is not None else "")
-    except (ValueError, TypeError, IndexError):
+        samples = matching(text, awake)
+    except MetricsUnreadable:
         return None, ""
+    seen = bool(samples)
+    asleep = [
+        f"engine {sample.labels['engine']}" if "engine" in sample.labels else ""
+        for _, sample in samples
+        if sample.value == 0
+    ]
     if not seen:
         return None, ""
     what = ", ".join(filter(None, asleep))

@@ -11,10 +11,11 @@ canary. Which samples mean what is each backend's business: ``progress`` in
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
 from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 
 # The counter categories a spec may list. Each advances only when the engine computes.
 PROMPT, GENERATION, STEPS, COMPLETED = "prompt", "generation", "steps", "completed"
@@ -101,63 +102,77 @@ class MetricsUnreadable(ValueError):
     pass
 
 
+def matching(text: str, series: Iterable[Series]) -> list[tuple[Series, Sample]]:
+    """Every sample of a Prometheus text exposition that one of ``series`` matches, paired with
+    it (a sample matching two series comes twice). Raises MetricsUnreadable.
+
+    Only the lines of those names go to prometheus-client's parser: an engine's exposition is
+    mostly histograms the sidecar never reads (vLLM's: 50 KB), and parsing it all, every second,
+    on a CPU the engine saturates, starved the thread that answers the probes
+    (docs/benchmarks.md)."""
+    by_name: dict[str, list[Series]] = {}
+    for s in series:
+        by_name.setdefault(s.name, []).append(s)
+    wanted = tuple(by_name)
+    kept = "\n".join(line for line in text.splitlines() if line.startswith(wanted))
+    found: list[tuple[Series, Sample]] = []
+    try:
+        for family in text_string_to_metric_families(kept + "\n"):
+            for sample in family.samples:
+                found += [
+                    (s, sample) for s in by_name.get(sample.name, ()) if s.matches(sample.labels)
+                ]
+    except (ValueError, TypeError, IndexError) as exc:
+        raise MetricsUnreadable(f"not a Prometheus exposition: {exc}") from None
+    return found
+
+
+def group_totals(
+    text: str, groups: Mapping[str, tuple[Series, ...]]
+) -> tuple[dict[str, float], tuple[str, ...]]:
+    """(group -> sum of its matching finite samples, for the groups with any; the series found).
+    Raises MetricsUnreadable."""
+    group_of: dict[Series, list[str]] = {}
+    for group, members in groups.items():
+        for s in members:
+            group_of.setdefault(s, []).append(group)
+    totals: dict[str, float] = {}
+    found: dict[str, None] = {}
+    for s, sample in matching(text, group_of):
+        value = float(sample.value)
+        if math.isfinite(value):
+            for group in group_of[s]:
+                totals[group] = totals.get(group, 0.0) + value
+            found[str(s)] = None
+    return totals, tuple(found)
+
+
 def read_progress(
     text: str, spec: ProgressSpec, at: float, wall: float, canaries: tuple[int, int] = (0, 0)
 ) -> ProgressSample:
     """Sum the spec's samples in a Prometheus text exposition. Raises MetricsUnreadable."""
-    groups: dict[str, tuple[Series, ...]] = {
+    groups = {
         "running": spec.running,
         "waiting": spec.waiting,
         "peer_wait": spec.peer_wait,
         **spec.counters,
     }
-    by_name: dict[str, list[tuple[str, Series]]] = {}
-    for group, members in groups.items():
-        for s in members:
-            by_name.setdefault(s.name, []).append((group, s))
-    totals: dict[str, float] = {}
-    found: dict[str, None] = {}
-    # Only the spec's lines go to the parser: an engine's exposition is mostly histograms the
-    # sidecar never reads (vLLM's: 50 KB), and parsing it all, every second, on a CPU the engine
-    # saturates, starved the thread that answers the probes (docs/benchmarks.md).
-    wanted = tuple(by_name)
-    kept = "\n".join(line for line in text.splitlines() if line.startswith(wanted))
-    try:
-        for family in text_string_to_metric_families(kept + "\n"):
-            for sample in family.samples:
-                for group, s in by_name.get(sample.name, ()):
-                    if s.matches(sample.labels):
-                        value = float(sample.value)
-                        if math.isfinite(value):
-                            totals[group] = totals.get(group, 0.0) + value
-                            found[str(s)] = None
-    except (ValueError, TypeError, IndexError) as exc:
-        raise MetricsUnreadable(f"not a Prometheus exposition: {exc}") from None
+    totals, found = group_totals(text, groups)
     running, waiting = totals.get("running"), totals.get("waiting")
     in_flight = None if running is None and waiting is None else (running or 0.0) + (waiting or 0.0)
     counters = {c: totals[c] for c in CATEGORIES if c in totals}
-    return ProgressSample(
-        at, wall, in_flight, counters, totals.get("peer_wait"), tuple(found), *canaries
-    )
+    return ProgressSample(at, wall, in_flight, counters, totals.get("peer_wait"), found, *canaries)
 
 
 def ranks_in(text: str, gauges: tuple[Series, ...], label: str) -> tuple[int, ...]:
     """The data-parallel ranks an exposition shows: the values of ``label`` on the ``gauges``
     (vLLM: engine="0", engine="1", ... on its in-flight gauges); () when none."""
-    wanted = tuple({s.name for s in gauges})
-    kept = "\n".join(line for line in text.splitlines() if line.startswith(wanted))
-    found: set[int] = set()
     try:
-        for family in text_string_to_metric_families(kept + "\n"):
-            for sample in family.samples:
-                value = sample.labels.get(label, "")
-                if value.isdigit() and any(
-                    sample.name == s.name and s.matches(sample.labels) for s in gauges
-                ):
-                    found.add(int(value))
-    except (ValueError, TypeError, IndexError):
+        samples = matching(text, gauges)
+    except MetricsUnreadable:
         return ()
-    return tuple(sorted(found))
+    values = {sample.labels.get(label, "") for _, sample in samples}
+    return tuple(sorted(int(v) for v in values if v.isdigit()))
 
 
 def unusable(sample: ProgressSample, spec: ProgressSpec) -> str | None:

@@ -16,13 +16,10 @@ peers are healthy again.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from prometheus_client.parser import text_string_to_metric_families
-
-from sidecar.evidence.progress import Series
+from sidecar.evidence.progress import MetricsUnreadable, Series, group_totals
 
 # How long a failure keeps "transfers failing" in /health.
 WINDOW = 60.0
@@ -90,23 +87,9 @@ class TransferState:
 
 def read_transfers(text: str, spec: TransferSpec, at: float, wall: float) -> TransferSample | None:
     """The spec's samples in a metrics exposition; None when it publishes none of them."""
-    by_name: dict[str, list[tuple[str, Series]]] = {}
-    for kind, members in spec.failures.items():
-        for s in members:
-            by_name.setdefault(s.name, []).append((kind, s))
-    for s in spec.fetching:
-        by_name.setdefault(s.name, []).append(("fetching", s))
-    wanted = tuple(by_name)
-    kept = "\n".join(line for line in text.splitlines() if line.startswith(wanted))
-    totals: dict[str, float] = {}
     try:
-        for family in text_string_to_metric_families(kept + "\n"):
-            for sample in family.samples:
-                for kind, s in by_name.get(sample.name, ()):
-                    value = float(sample.value)
-                    if s.matches(sample.labels) and math.isfinite(value):
-                        totals[kind] = totals.get(kind, 0.0) + value
-    except (ValueError, TypeError, IndexError):
+        totals, _ = group_totals(text, {**spec.failures, "fetching": spec.fetching})
+    except MetricsUnreadable:
         return None
     fetching = totals.pop("fetching", None)
     if not totals and fetching is None:
