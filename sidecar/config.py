@@ -44,6 +44,7 @@ RESERVED_ROUTES = {
 _HOST_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
 _TOKEN = re.compile(r"[\x21-\x7e]+")  # visible ASCII: what an HTTP header value can carry
 _CREDENTIALS = re.compile(r"(//)[^/@]*@")
+_DYNAMO_NAME = re.compile(r"[A-Za-z0-9_-]{1,253}")
 
 
 def _host_problem(host: str) -> str | None:
@@ -78,6 +79,25 @@ def _json_loads(text: str) -> Any:
         return json.loads(text, parse_constant=reject)
     except RecursionError:
         raise ValueError("nested too deeply") from None
+
+
+class Transport(StrEnum):
+    HTTP = "http"  # the engine's own HTTP API at SIDECAR_ENGINE_URL
+    DYNAMO = "dynamo"  # Dynamo's request plane, straight to the worker's instance
+
+
+class DiscoveryBackend(StrEnum):
+    """Dynamo's discovery backends a separate process can share with the worker."""
+
+    ETCD = "etcd"
+    FILE = "file"
+    KUBERNETES = "kubernetes"
+
+
+class RequestPlane(StrEnum):
+    TCP = "tcp"
+    NATS = "nats"
+    HTTP = "http"
 
 
 class Backend(StrEnum):
@@ -213,12 +233,57 @@ class Settings(BaseSettings):
         "a URL path starting with /",
     )
 
+    # Dynamo's runtime variables, read for the request-plane transport (SIDECAR_TRANSPORT=dynamo):
+    # give the sidecar the worker's values. Its runtime client sees only these and the DYN_TCP_*,
+    # DYN_HTTP_RPC_*, NATS_* and ETCD_* variables (sidecar/requestplane/environment.py).
+    discovery_backend: DiscoveryBackend = _env(
+        "DYN_DISCOVERY_BACKEND",
+        DiscoveryBackend.ETCD,
+        "Dynamo's discovery backend, as the worker's (SIDECAR_TRANSPORT=dynamo): etcd or file, "
+        "shared with the worker to tell whether the router can still find it; kubernetes, where "
+        "the cluster lists only Ready pods, so the canary reaches the worker by what it "
+        "advertises itself (its /metadata) and the sidecar needs no cluster rights.",
+        "one of etcd, file, kubernetes",
+    )
+    request_plane: RequestPlane = _env(
+        "DYN_REQUEST_PLANE",
+        RequestPlane.TCP,
+        "Dynamo's request plane, as the worker's (SIDECAR_TRANSPORT=dynamo).",
+        "one of tcp, nats, http",
+    )
+    file_kv: str | None = _env(
+        "DYN_FILE_KV",
+        None,
+        "The directory of Dynamo's file discovery, shared with the worker "
+        "(DYN_DISCOVERY_BACKEND=file).",
+        "an absolute directory path",
+    )
+
     # --- The sidecar's own ---------------------------------------------------------------------
     engine_url: str = _env(
         "SIDECAR_ENGINE_URL",
         "http://127.0.0.1:8000",
-        "Base URL of the local engine. Every request the sidecar makes goes here.",
+        "Base URL of the local engine. Every request the sidecar makes goes here. With "
+        "SIDECAR_TRANSPORT=dynamo: the worker's system server (DYN_SYSTEM_PORT, "
+        "http://127.0.0.1:9090 in a pod), where the sidecar finds the worker's instance.",
         "an http:// or https:// URL with a host and no query",
+    )
+    transport: Transport = _env(
+        "SIDECAR_TRANSPORT",
+        Transport.HTTP,
+        "How canaries reach the engine: http, its own HTTP API at SIDECAR_ENGINE_URL; dynamo, "
+        "Dynamo's request plane, straight to the instance of the worker whose system server is "
+        "SIDECAR_ENGINE_URL (a Dynamo worker serves no HTTP generation API); needs "
+        "pip install 'health-sidecar[dynamo]'.",
+        "http or dynamo",
+    )
+    dynamo_endpoint: str | None = _env(
+        "SIDECAR_DYNAMO_ENDPOINT",
+        None,
+        "With SIDECAR_TRANSPORT=dynamo: the worker endpoint to canary, as a name (generate) or a "
+        "path (namespace.component.generate). Unset: the one endpoint named generate that the "
+        "worker's system server names.",
+        "an endpoint name, or namespace.component.endpoint",
     )
     backend: Backend = _env(
         "SIDECAR_BACKEND",
@@ -545,6 +610,24 @@ class Settings(BaseSettings):
             raise ValueError("port 0")
         return value.rstrip("/")
 
+    @field_validator("dynamo_endpoint")
+    @classmethod
+    def _dynamo_endpoint(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        path = value.removeprefix("dyn://")
+        parts = path.split(".")
+        if len(parts) not in (1, 3) or not all(_DYNAMO_NAME.fullmatch(p) for p in parts):
+            raise ValueError("not an endpoint name nor namespace.component.endpoint")
+        return path
+
+    @field_validator("file_kv")
+    @classmethod
+    def _file_kv(cls, value: str | None) -> str | None:
+        if value is not None and not Path(value).is_absolute():
+            raise ValueError("not an absolute path")
+        return value
+
     @field_validator("model")
     @classmethod
     def _model(cls, value: str | None) -> str | None:
@@ -641,6 +724,7 @@ def _cross_checks(s: Settings) -> list[str]:
             f"{env_name('dp_min_ready_ranks')}={s.dp_min_ready_ranks}: expected at most "
             f"{env_name('dp_ranks')} ({s.dp_ranks})"
         )
+    lines += _transport_checks(s)
     if s.control_port is not None and s.control_port == s.system_port:
         lines.append(
             f"{env_name('control_port')}={s.control_port}: expected a port other than "
@@ -658,6 +742,59 @@ def _cross_checks(s: Settings) -> list[str]:
         lines.append(
             f"{env_name(field)}={s.health_path!r}: expected a path not already used by "
             f"{env_name(other)}"
+        )
+    return lines
+
+
+# The backends of Dynamo's workers (each has its payload); openai names none.
+DYNAMO_BACKENDS = (Backend.VLLM, Backend.SGLANG, Backend.TRTLLM)
+
+
+def runtime_missing() -> str | None:
+    """Why Dynamo's runtime client cannot be imported here, or None."""
+    try:
+        from dynamo.runtime import DistributedRuntime  # noqa: F401
+    except ImportError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def _transport_checks(s: Settings) -> list[str]:
+    if s.transport is not Transport.DYNAMO:
+        if s.dynamo_endpoint is not None:
+            return [
+                f"{env_name('dynamo_endpoint')}={s.dynamo_endpoint!r}: expected unset "
+                f"({env_name('transport')}={s.transport} sends no request over Dynamo's plane)"
+            ]
+        return []
+    name = env_name("transport")
+    lines = []
+    missing = runtime_missing()
+    if missing is not None:
+        lines.append(
+            f"{name}=dynamo: expected Dynamo's runtime client installed "
+            f"(pip install 'health-sidecar[dynamo]'): {missing}"
+        )
+    if s.backend not in DYNAMO_BACKENDS:
+        lines.append(
+            f"{env_name('backend')}={s.backend.value!r}: expected one of "
+            f"{', '.join(b.value for b in DYNAMO_BACKENDS)} with {name}=dynamo (the Dynamo "
+            "worker's backend decides its canary payload)"
+        )
+    if s.dp_ranks != 1:
+        lines.append(
+            f"{env_name('dp_ranks')}={s.dp_ranks}: expected 1 with {name}=dynamo (a Dynamo "
+            "worker's ranks are not pinned over its request plane)"
+        )
+    if s.kv_peer_url is not None:
+        lines.append(
+            f"{env_name('kv_peer_url')}={_shown('kv_peer_url', s.kv_peer_url)}: expected unset "
+            f"with {name}=dynamo (the transfer probe speaks vLLM's HTTP API)"
+        )
+    if s.discovery_backend is DiscoveryBackend.FILE and s.file_kv is None:
+        lines.append(
+            f"{env_name('file_kv')}: expected the worker's file-discovery directory with "
+            f"{env_name('discovery_backend')}=file and {name}=dynamo (it is not set)"
         )
     return lines
 

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field, replace
 
 from sidecar.evidence import lifecycle
 from sidecar.evidence.canary import CanaryState, TimeoutEvidence, check_answer, on_canary
+from sidecar.evidence.discovery import DiscoveryState, on_discovery
+from sidecar.evidence.enginehealth import EngineHealthState, on_engine_health
 from sidecar.evidence.lifecycle import LifecycleState
 from sidecar.evidence.policy import Policy
 from sidecar.evidence.progress import (
@@ -38,6 +40,8 @@ class EndpointState:
     progress: ProgressState = field(default_factory=ProgressState)
     lifecycle: LifecycleState = field(default_factory=LifecycleState)
     transfers: TransferState = field(default_factory=TransferState)
+    discovery: DiscoveryState = field(default_factory=DiscoveryState)
+    engine_health: EngineHealthState = field(default_factory=EngineHealthState)
     # False for an endpoint that informs (kv_transfer): its failures never fail /live.
     liveness: bool = True
 
@@ -65,8 +69,31 @@ def apply_registration(ep: EndpointState, result: Result, policy: Policy) -> End
             progress=ProgressState(),
             # The sleep state of an engine that left is unknown; a declared window stands.
             lifecycle=lifecycle.new_incarnation(ep.lifecycle),
+            discovery=DiscoveryState(),
         )
     return replace(ep, registration=registration)
+
+
+def apply_discovery(
+    ep: EndpointState, listed: bool | None, instance: str | None, at: float, where: str
+) -> EndpointState:
+    """A look at whether discovery lists the worker's instance. An instance that reappears after
+    it went missing proves itself with a fresh canary before it is ready again."""
+    before = ep.discovery
+    after = on_discovery(before, listed, instance, at, where)
+    canary = ep.canary
+    if after.listed and before.listed is False and before.instance == after.instance:
+        canary = CanaryState(next_due=at if ep.registration.registered else None)
+    return replace(ep, discovery=after, canary=canary)
+
+
+def apply_engine_health(
+    ep: EndpointState, status_code: int | None, status: str | None, detail: str, at: float
+) -> EndpointState:
+    """What the engine's own health route said (where it is not the registration check)."""
+    return replace(
+        ep, engine_health=on_engine_health(ep.engine_health, status_code, status, detail, at)
+    )
 
 
 def apply_lifecycle(ep: EndpointState, after: LifecycleState, at: float) -> EndpointState:
@@ -143,7 +170,8 @@ def apply_transfers(ep: EndpointState, sample: TransferSample | None) -> Endpoin
 def canary_due(ep: EndpointState, policy: Policy) -> float | None:
     """When the next canary may leave (monotonic); None while there is nothing to send.
 
-    - Not registered, no canary for this role, or paused (asleep, in maintenance): nothing.
+    - Not registered, no canary for this role, paused (asleep, in maintenance), or missing from
+      discovery (there is no way to it): nothing.
     - The health route timed out, no progress excused it and no canary passed since: now (slow
       or frozen, the canary finds out), at most every ``retry``.
     - Work in flight and the counters quiet for ``policy.suspect_after``: a stall is suspected;
@@ -157,7 +185,7 @@ def canary_due(ep: EndpointState, policy: Policy) -> float | None:
     canary, progress = ep.canary, ep.progress
     if not ep.has_canary or not ep.registration.registered or canary.next_due is None:
         return None
-    if ep.lifecycle.paused:
+    if ep.lifecycle.paused or ep.discovery.listed is False:
         return None
     if _in_doubt(ep):
         assert ep.registration.last is not None

@@ -51,7 +51,7 @@ class NoAnswer:
     reason: str
 
 
-def _error_text(body: bytes) -> str:
+def error_text(body: bytes) -> str:
     """The engine's error message from a JSON error body, or the start of the text."""
     text = body.decode("utf-8", "replace").strip()
     try:
@@ -196,6 +196,13 @@ class EngineClient:
             response.headers.get("location"),
         )
 
+    async def get(self, path: str) -> Answer | NoAnswer:
+        """GET a route: its answer, or why none came (with secrets scrubbed from the reason)."""
+        answer = await self._exchange("GET", path)
+        if isinstance(answer, NoAnswer):
+            return NoAnswer(answer.outcome, self._redact(f"GET {path}: {answer.reason}"))
+        return answer
+
     async def post_json(self, path: str, body: Any) -> tuple[Any, NoAnswer | None]:
         """POST a JSON body: (the parsed JSON answer, None) on a 200 with JSON; else (None, why
         not, as the outcome a probe records)."""
@@ -203,7 +210,7 @@ class EngineClient:
         if isinstance(answer, NoAnswer):
             return None, NoAnswer(answer.outcome, self._redact(answer.reason))
         if answer.status != 200:
-            reason = self._redact(f"HTTP {answer.status}: {_error_text(answer.body)}")
+            reason = self._redact(f"HTTP {answer.status}: {error_text(answer.body)}")
             return None, NoAnswer(Outcome.ERROR, reason)
         try:
             return json.loads(answer.body), None
@@ -242,7 +249,7 @@ class EngineClient:
             where = f" to {answer.location}" if answer.location else ""
             return result(Outcome.ERROR, f"HTTP {status} redirect{where} (not followed)", status)
         if status != 200:
-            return result(Outcome.ERROR, f"HTTP {status}: {_error_text(answer.body)}", status)
+            return result(Outcome.ERROR, f"HTTP {status}: {error_text(answer.body)}", status)
         if "json" not in answer.content_type.lower():
             shown = answer.content_type or "none"
             return result(Outcome.INVALID, f"content-type {shown}, expected JSON", status)
@@ -270,7 +277,7 @@ class EngineClient:
             return result(answer.outcome, f"GET {path}: {answer.reason}")
         if answer.status == 200:
             return result(Outcome.SUCCESS, f"GET {path} -> 200", 200)
-        text = _error_text(answer.body)
+        text = error_text(answer.body)
         return result(Outcome.ERROR, f"GET {path} -> {answer.status}: {text}", answer.status)
 
     async def metrics_text(self, path: str) -> tuple[str | None, str]:
@@ -307,7 +314,7 @@ class EngineClient:
         if isinstance(answer, NoAnswer):
             return None, self._redact(f"GET {path}: {answer.reason}")
         if answer.status != 200:
-            return None, self._redact(f"GET {path} -> {answer.status}: {_error_text(answer.body)}")
+            return None, self._redact(f"GET {path} -> {answer.status}: {error_text(answer.body)}")
         try:
             data = json.loads(answer.body).get("data")
             model = data[0]["id"]

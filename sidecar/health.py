@@ -20,6 +20,8 @@ from sidecar.config import KV_TRANSFER, Settings, StartingStatus
 from sidecar.endpoint import (
     EndpointState,
     apply_canary,
+    apply_discovery,
+    apply_engine_health,
     apply_lifecycle,
     apply_registration,
     apply_sample,
@@ -42,6 +44,7 @@ from sidecar.verdict import (
     decide_readiness,
     endpoint_verdict,
     engine_disagrees,
+    engine_undersells,
     rank_verdict,
 )
 
@@ -73,7 +76,9 @@ class Listener:
 
     on_canary: Callable[[str, Result], None]
     on_transition: Callable[[str, str], None]
-    on_disagreement: Callable[[str], None]
+    # A disagreement with the engine's own health route began (engine_says: "ready", it answers
+    # 200 while the sidecar finds it hung; "notready", it answers non-200 while canaries pass).
+    on_disagreement: Callable[[str, str], None]
     # Changes of the worker's verdicts (the history uses them); optional.
     on_readiness: Callable[[Readiness], None] = lambda _: None
     on_liveness: Callable[[Liveness], None] = lambda _: None
@@ -318,6 +323,29 @@ class Health:
             log.info("%s: KV transfers from prefill peers: no failure for %g s", name, WINDOW)
         self._commit(name, after)
 
+    def record_discovery(
+        self, name: str, listed: bool | None, instance: str | None, where: str
+    ) -> None:
+        """Whether discovery lists the worker's instance (None: not asked)."""
+        before = self.snapshot.endpoints[name]
+        after = apply_discovery(before, listed, instance, self.clock(), where)
+        was, is_ = before.discovery, after.discovery
+        if is_.listed is False and (was.listed is not False or was.instance != is_.instance):
+            log.warning("%s: %s", name, is_.reason())
+        elif is_.listed and was.listed is False and was.instance == is_.instance:
+            log.info("%s: %s is listed by %s again", name, is_.instance, is_.where)
+        self._commit(name, after)
+
+    def record_engine_health(
+        self, name: str, status_code: int | None, status: str | None, detail: str
+    ) -> None:
+        """What the engine's own health route answered (a Dynamo worker's /health)."""
+        before = self.snapshot.endpoints[name]
+        after = apply_engine_health(before, status_code, status, detail, self.clock())
+        if after.engine_health.says_ready != before.engine_health.says_ready:
+            log.info("%s: the engine's own health route: %s", name, detail)
+        self._commit(name, after)
+
     def start_maintenance(self, reason: str, seconds: float) -> None:
         """Declare (or replace) a maintenance window on every endpoint."""
         now, wall = self.clock(), time.time()
@@ -399,7 +427,15 @@ class Health:
         if engine_disagrees(after) and not engine_disagrees(before):
             log.warning("%s: the engine's own health route answers 200 while it is hung", name)
             for listener in self.listeners:
-                listener.on_disagreement(name)
+                listener.on_disagreement(name, "ready")
+        if engine_undersells(after) and not engine_undersells(before):
+            log.info(
+                "%s: the engine's own health route says %s while its canaries pass",
+                name,
+                after.engine_health.detail,
+            )
+            for listener in self.listeners:
+                listener.on_disagreement(name, "notready")
         self._log_worker()
 
     def _log_worker(self) -> None:

@@ -133,7 +133,7 @@ class History:
             self.add_change("worker", "liveness", "live" if lv.live else "notlive", lv.reason)
 
         health.listeners.append(
-            Listener(self.add_canary, transition, lambda _: None, readiness, liveness)
+            Listener(self.add_canary, transition, lambda _e, _s: None, readiness, liveness)
         )
 
     # --- reader: any thread ----------------------------------------------------------------------

@@ -29,6 +29,7 @@ PREFIX = "health_sidecar"
 
 # The *_created series double the exposition for no use here.
 disable_created_metrics()
+ENGINE_SAYS = ("ready", "notready")
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
@@ -59,6 +60,7 @@ class _VerdictCollector(Collector):
                 "backend": settings.backend.value,
                 "mode": settings.disaggregation_mode.value,
                 "canary": str(settings.health_check_enabled).lower(),
+                "transport": settings.transport.value,
             },
         )
         yield GaugeMetricFamily(
@@ -91,8 +93,16 @@ class _VerdictCollector(Collector):
         )
         for name, verdict in snap.endpoint_verdicts.items():
             ready.add_metric([name], bool(verdict.ready))
+        discoverable = GaugeMetricFamily(
+            f"{PREFIX}_endpoint_discoverable",
+            "1 while discovery lists the Dynamo worker's instance, 0 while it is missing (absent "
+            "where discovery is not asked: HTTP engines, Kubernetes discovery).",
+            labels=["endpoint"],
+        )
         for name, ep in snap.endpoints.items():
             registered.add_metric([name], bool(ep.registration.registered))
+            if ep.discovery.listed is not None:
+                discoverable.add_metric([name], ep.discovery.listed)
             failures.add_metric([name], ep.canary.failures)
             if ep.canary.last_success_wall is not None:
                 last_success.add_metric([name], ep.canary.last_success_wall)
@@ -184,7 +194,7 @@ class _VerdictCollector(Collector):
                 for unit in units:
                     rank = snap.rank_of.get(unit)
                     rank_ready.add_metric([endpoint, str(rank)], bool(snap.verdicts[unit].ready))
-        yield from (ready, registered, failures, last_success, rank_ready, degraded)
+        yield from (ready, registered, discoverable, failures, last_success, rank_ready, degraded)
         yield from (in_flight, stalled, readable, disagrees, last_progress, clock)
         yield GaugeMetricFamily(
             f"{PREFIX}_liveness_window_seconds",
@@ -225,12 +235,15 @@ class Metrics:
         )
         self.disagreements = Counter(
             f"{PREFIX}_engine_health_disagreements",
-            "Times the engine's own health route answered 200 while the sidecar found it hung.",
-            ["endpoint"],
+            "Times a disagreement with the engine's own health route began: engine_says ready, "
+            "it answered 200 while the sidecar found it hung; notready, it answered non-200 (a "
+            "Dynamo worker's /health) while canaries passed.",
+            ["endpoint", "engine_says"],
             registry=self.registry,
         )
         for name in health.snapshot.endpoints:
-            self.disagreements.labels(name)
+            for says in ENGINE_SAYS:
+                self.disagreements.labels(name, says)
             for outcome in Outcome:
                 self.canaries.labels(name, outcome.value)
             self.latency.labels(name)
@@ -248,8 +261,8 @@ class Metrics:
     def _on_transition(self, endpoint: str, to: str) -> None:
         self.transitions.labels(endpoint, to).inc()
 
-    def disagreements_inc(self, endpoint: str) -> None:
-        self.disagreements.labels(endpoint).inc()
+    def disagreements_inc(self, endpoint: str, engine_says: str) -> None:
+        self.disagreements.labels(endpoint, engine_says).inc()
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

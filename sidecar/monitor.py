@@ -2,7 +2,9 @@
 heartbeat, all owned by one TaskGroup on the monitor's event loop.
 
 - Registration: GET the engine's own health route every SIDECAR_REGISTRATION_INTERVAL (and learn
-  the served model when the canary needs it).
+  the served model when the canary needs it). A Dynamo worker (SIDECAR_TRANSPORT=dynamo) is
+  checked by :class:`sidecar.requestplane.worker.DynamoWorker` instead: its instance, its own
+  /health and whether discovery lists it; its canaries go over the request plane.
 - Progress: GET the engine's metrics every SIDECAR_METRICS_INTERVAL.
 - Sleep: with the registration check, ask a backend that can sleep whether it sleeps; with the
   metrics read, read its sleep-state gauge.
@@ -40,6 +42,7 @@ from sidecar.evidence.progress import (
 from sidecar.evidence.result import Outcome, Result
 from sidecar.evidence.transfers import read_transfers
 from sidecar.health import HEARTBEAT_INTERVAL, Health
+from sidecar.requestplane.worker import DynamoWorker
 from sidecar.transferprobe import TransferProbe
 
 log = logging.getLogger("sidecar.monitor")
@@ -66,6 +69,7 @@ class Monitor:
         discover_ranks: bool = False,
         transfer_probe: TransferProbe | None = None,
         probe_interval: float = 60.0,
+        worker: DynamoWorker | None = None,
     ) -> None:
         self.health = health
         self.client = client
@@ -77,6 +81,7 @@ class Monitor:
         self.discover_ranks = discover_ranks
         self.transfer_probe = transfer_probe
         self.probe_interval = probe_interval
+        self.worker = worker
         self._changed = asyncio.Event()
         # Canaries sent, and finished, so far, per unit: each metrics read notes both.
         self._sent: dict[str, int] = {}
@@ -231,10 +236,23 @@ class Monitor:
             and self.health.settings.model is None
         )
 
+    async def _check_worker(self, name: str, worker: DynamoWorker) -> None:
+        check = await worker.check()
+        self.health.record_registration(name, check.registration)
+        health = check.engine_health
+        self.health.record_engine_health(name, health.status_code, health.status, health.detail)
+        instance = str(check.instance) if check.instance is not None else None
+        self.health.record_discovery(name, check.listed, instance, worker.plane.where)
+
     async def _registration_loop(self, name: str, plan: CanaryPlan) -> None:
         loop = asyncio.get_running_loop()
         while True:
             started = loop.time()
+            if self.worker is not None:
+                await self._check_worker(name, self.worker)
+                self._changed_now()
+                await asyncio.sleep(max(0.0, started + self.registration_interval - loop.time()))
+                continue
             result = await self.client.registration(self.registration_path)
             if result.ok and self._needs_discovery(plan):
                 snap = self.health.snapshot
@@ -300,6 +318,7 @@ class Monitor:
     async def _canary_loop(self, name: str, plan: CanaryPlan) -> None:
         policy = self.health.policy
         spec = plan.progress_spec(self.metrics_path) if self.watch_progress else None
+        send = self.worker.canary if self.worker is not None else self.client.canary
         while True:
             changed = self._changed
             ep = self.health.snapshot.endpoints[name]
@@ -316,14 +335,14 @@ class Monitor:
             )
             if spec is None:
                 self._sent[name] += 1
-                result = await self.client.canary(plan, request)
+                result = await send(plan, request)
                 baseline = end = None
             else:
                 # The baseline read runs beside the canary, so it never delays it.
                 self._sent[name] += 1
                 reading = asyncio.create_task(self._read(name, spec), name=f"baseline:{name}")
                 try:
-                    result = await self.client.canary(plan, request)
+                    result = await send(plan, request)
                 except BaseException:
                     reading.cancel()
                     raise

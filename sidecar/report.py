@@ -14,7 +14,7 @@ from sidecar.endpoint import EndpointState, parked, suspected
 from sidecar.evidence.lifecycle import Maintenance
 from sidecar.evidence.transfers import WINDOW
 from sidecar.health import HEARTBEAT_STALE, Snapshot, liveness_of, readiness_of
-from sidecar.verdict import RULE_TEXT, engine_disagrees
+from sidecar.verdict import RULE_TEXT, engine_disagrees, engine_undersells
 
 
 def iso(wall: float) -> str:
@@ -80,6 +80,26 @@ def _transfers(ep: EndpointState, now: float) -> dict[str, Any] | None:
     }
 
 
+def _discovery(ep: EndpointState, now: float) -> dict[str, Any] | None:
+    state = ep.discovery
+    if state.instance is None:
+        return None  # not a Dynamo worker, or its instance is not known yet
+    return {
+        "instance": state.instance,
+        "listed": state.listed,
+        "where": state.where or None,
+        "missing_since": _wall(state.missing_since, now),
+        "detail": state.reason() or None,
+    }
+
+
+def _engine_health(ep: EndpointState) -> dict[str, Any] | None:
+    state = ep.engine_health
+    if not state.asked:
+        return None  # the registration check is the engine's health route
+    return {"status_code": state.status_code, "status": state.status, "detail": state.detail}
+
+
 def _check(ep: EndpointState, snap: Snapshot, now: float) -> dict[str, Any]:
     canary, registration, progress = ep.canary, ep.registration, ep.progress
     last = canary.last
@@ -103,7 +123,9 @@ def _check(ep: EndpointState, snap: Snapshot, now: float) -> dict[str, Any]:
             "time": iso(last.wall_time),
             "request_id": last.request_id,
         },
-        "engine_health_agrees": not engine_disagrees(ep),
+        "engine_health_agrees": not (engine_disagrees(ep) or engine_undersells(ep)),
+        "engine_health": _engine_health(ep),
+        "discovery": _discovery(ep, now),
         "in_flight": progress.in_flight,
         "progress": _progress(ep, snap, now),
         "lifecycle": _lifecycle(ep, now),

@@ -24,13 +24,16 @@ from fastapi import FastAPI
 
 from sidecar.app import create_app
 from sidecar.canary import CanaryPlan, plan_canary, plan_transfer_probe
-from sidecar.config import Settings
+from sidecar.config import Settings, Transport
 from sidecar.control import CONTROL_HOST, create_control_app
 from sidecar.engine import EngineClient
 from sidecar.health import Health
 from sidecar.history import History
 from sidecar.metrics import Metrics
 from sidecar.monitor import Monitor
+from sidecar.requestplane import environment, runtimelog
+from sidecar.requestplane.client import RequestPlane
+from sidecar.requestplane.worker import DynamoWorker
 from sidecar.transferprobe import TransferProbe
 
 log = logging.getLogger("sidecar")
@@ -67,6 +70,7 @@ def build(settings: Settings) -> Parts:
 
 
 DRAIN_POLL = 0.05
+EXIT_CONFIG = 2  # as the command line's configuration errors
 
 
 def _new_loop() -> asyncio.AbstractEventLoop:
@@ -77,14 +81,19 @@ def _new_loop() -> asyncio.AbstractEventLoop:
     return uvloop.new_event_loop()
 
 
+class StartupError(Exception):
+    """A part could not start for a reason the configuration names: exit 2, one line."""
+
+
 class MonitorThread:
     """The monitor, with the engine client, on an event loop of its own in its own thread: however
     many probes the HTTP server answers, canaries leave on time. It is the only writer of the
     state (``Health`` publishes immutable snapshots); the HTTP routes only read them."""
 
-    def __init__(self, settings: Settings, parts: Parts) -> None:
+    def __init__(self, settings: Settings, parts: Parts, private_dir: str | None = None) -> None:
         self.settings = settings
         self.parts = parts
+        self.private_dir = private_dir  # the request plane's private discovery (Kubernetes)
         # The standard event loop, not uvloop: a few requests a second need no speed, and against
         # an engine that floods an oversized answer uvloop's eager reads held far more memory.
         self.loop = asyncio.new_event_loop()
@@ -117,6 +126,29 @@ class MonitorThread:
                 api_key=key,
                 clock=parts.health.clock,
             )
+        plane = worker = None
+        if settings.transport is Transport.DYNAMO:
+            plane = RequestPlane(
+                settings,
+                timeout=settings.request_timeout,
+                clock=parts.health.clock,
+                private_dir=self.private_dir,
+            )
+            try:
+                plane.start()
+            except Exception as exc:  # the runtime refuses its variables with plain Exceptions
+                await client.aclose()
+                raise StartupError(
+                    f"SIDECAR_TRANSPORT=dynamo: Dynamo's runtime client did not start: {exc}"
+                ) from None
+            worker = DynamoWorker(
+                settings,
+                client,
+                plane,
+                health_path=parts.registration_path,
+                metrics_path=settings.metrics_path or parts.plan.prober.progress.path,
+                clock=parts.health.clock,
+            )
         monitor = Monitor(
             parts.health,
             client,
@@ -128,11 +160,14 @@ class MonitorThread:
             discover_ranks=settings.dp_ranks == "auto" and parts.plan.enabled,
             transfer_probe=probe,
             probe_interval=settings.kv_probe_interval,
+            worker=worker,
         )
         try:
             await monitor.run()
         finally:
             await client.aclose()
+            if plane is not None:
+                await plane.aclose()
             if probe is not None:
                 await probe.aclose()
             self.finished.set()
@@ -177,11 +212,11 @@ def _server(app: FastAPI, host: str, port: int, *, grace: float) -> _Server:
     )
 
 
-async def serve(settings: Settings) -> int:
+async def serve(settings: Settings, private_dir: str | None = None) -> int:
     parts = build(settings)
     server = _server(parts.app, settings.system_host, settings.system_port, grace=5)
     loop = asyncio.get_running_loop()
-    monitor = MonitorThread(settings, parts)
+    monitor = MonitorThread(settings, parts, private_dir)
 
     async def submit(change: Callable[[], None]) -> None:
         """Run ``change`` on the monitor's thread (the state's only writer) and wait for it."""
@@ -272,8 +307,13 @@ async def serve(settings: Settings) -> int:
         watched = {monitor_task, server_task} | ({control_task} if control_task else set())
         done, _ = await asyncio.wait(watched, return_when=asyncio.FIRST_COMPLETED)
         if monitor_task in done:
-            log.critical("the monitor stopped unexpectedly", exc_info=monitor_task.exception())
-            code = 1
+            failure = monitor_task.exception()
+            if isinstance(failure, StartupError):
+                log.critical("%s", failure)
+                code = EXIT_CONFIG
+            else:
+                log.critical("the monitor stopped unexpectedly", exc_info=failure)
+                code = 1
         elif control_task in done and not server.should_exit:
             log.critical("the control server stopped (could it bind SIDECAR_CONTROL_PORT?)")
             code = 1
@@ -288,11 +328,17 @@ async def serve(settings: Settings) -> int:
         await monitor.stop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
-    if not all(each.started for each in servers):
+    if code == 0 and not all(each.started for each in servers):
         return 1
     return code
 
 
 def run(settings: Settings) -> int:
+    # Dynamo's runtime reads its variables from the process environment: give it its own before
+    # any thread starts (sidecar/requestplane/environment.py).
+    private = None
+    if settings.transport is Transport.DYNAMO:
+        private = environment.prepare(settings)
+        runtimelog.capture()
     with asyncio.Runner(loop_factory=_new_loop) as runner:
-        return runner.run(serve(settings))
+        return runner.run(serve(settings, private))

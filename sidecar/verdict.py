@@ -9,6 +9,8 @@ registration       canary                  verdict    reason
 not checked yet    any                     none       not checked yet
 any                in maintenance          notready   maintenance: <why> (ends in N s)
 not registered     any                     notready   engine not registered: <its answer>
+not discoverable   any                     notready   not discoverable: <instance> is gone from
+                                                      <discovery> ... (Dynamo workers)
 registered         engine asleep           notready   sleeping (<what the engine said>)
 registered         none for this role      ready      registered; no canary (<why>)
 registered         no result yet           none       registered; waiting for the first canary
@@ -36,7 +38,10 @@ liveness window, each started and ended by its own source only:
   while the counters advance). With a canary, such a timeout sends one, whose clock decides;
 - canary failing hard: timeouts, 5xx, a rejection of a canary that passed before (ended by a
   pass, a failure that is not hard, or a timeout excused by other work's progress);
-- stalled: a stall a canary confirmed (ended as the canary clock).
+- stalled: a stall a canary confirmed (ended as the canary clock);
+- not discoverable: a Dynamo worker's instance, listed before in this incarnation, gone from
+  discovery while its system server answers (ended when it is listed again, or the worker stops
+  answering: only a restart registers an orphaned worker again).
 
 A refused connection or a non-200 health answer stops every clock: a loading, draining or gone
 engine is never restarted by this sidecar; nor is a paused one (asleep, or in maintenance).
@@ -60,6 +65,14 @@ class Verdict:
     degraded: bool = False  # ready with a data-parallel rank down, as the policy allows
 
 
+def engine_says_ready(ep: EndpointState) -> bool | None:
+    """What the engine's own health route says: a Dynamo worker's /health where it is asked
+    apart from registration, else the registration check's answer (vLLM's /health)."""
+    if ep.engine_health.asked:
+        return ep.engine_health.says_ready
+    return ep.registration.answers_200
+
+
 def engine_disagrees(ep: EndpointState) -> bool:
     """The engine's own health route answers 200 while the canary finds it hung or failing
     hard: the blind spot of vLLM's and TensorRT-LLM's /health."""
@@ -67,9 +80,22 @@ def engine_disagrees(ep: EndpointState) -> bool:
     return (
         ep.has_canary
         and ep.liveness
-        and ep.registration.answers_200
+        and engine_says_ready(ep) is True
         and canary.ready is False
         and canary.hard_since is not None
+    )
+
+
+def engine_undersells(ep: EndpointState) -> bool:
+    """The engine's own health route answers non-200 while the canary passes: a Dynamo worker
+    that registers no canary payload says 503 for its whole life (the second seed's bug)."""
+    return (
+        ep.has_canary
+        and ep.engine_health.asked
+        and ep.engine_health.says_ready is False
+        and bool(ep.registration.registered)
+        and ep.discovery.listed is not False
+        and ep.canary.ready is True
     )
 
 
@@ -99,6 +125,8 @@ def endpoint_verdict(ep: EndpointState, policy: Policy, now: float) -> Verdict:
         return Verdict(False, ep.lifecycle.reason(now) or "maintenance")
     if not registration.registered:
         return Verdict(False, f"engine not registered: {registration.reason}")
+    if ep.discovery.listed is False:
+        return Verdict(False, ep.discovery.reason())
     if ep.lifecycle.sleeping:
         return Verdict(False, ep.lifecycle.reason(now) or "sleeping")
     peers = ep.transfers.note(now)  # informs, never decides
@@ -107,7 +135,10 @@ def endpoint_verdict(ep: EndpointState, policy: Policy, now: float) -> Verdict:
     if canary.ready is None:
         return Verdict(None, "registered; waiting for the first canary" + peers)
     if canary.ready:
-        return Verdict(True, canary.reason + _progress_note(ep, policy, now) + peers)
+        own = ""
+        if engine_undersells(ep):
+            own = f"; the worker's own health route says {ep.engine_health.detail}"
+        return Verdict(True, canary.reason + _progress_note(ep, policy, now) + own + peers)
     return Verdict(False, canary.reason + (DISAGREES if engine_disagrees(ep) else "") + peers)
 
 
@@ -209,6 +240,7 @@ class Cause(StrEnum):
     REGISTRATION = "registration timing out"
     CANARY = "canary failing hard"
     STALL = "stalled"
+    UNDISCOVERABLE = "not discoverable"
 
 
 def clocks(ep: EndpointState) -> dict[Cause, float]:
@@ -219,6 +251,8 @@ def clocks(ep: EndpointState) -> dict[Cause, float]:
     if ep.registration.timeout_since is not None:
         running[Cause.REGISTRATION] = ep.registration.timeout_since
     if ep.registration.registered:
+        if ep.discovery.missing_since is not None:
+            running[Cause.UNDISCOVERABLE] = ep.discovery.missing_since
         if ep.canary.stall_since is not None:
             running[Cause.STALL] = ep.canary.stall_since
         if ep.canary.hard_since is not None:
@@ -229,6 +263,8 @@ def clocks(ep: EndpointState) -> dict[Cause, float]:
 def _current_reason(ep: EndpointState, cause: Cause) -> str:
     if cause is Cause.REGISTRATION:
         return ep.registration.reason
+    if cause is Cause.UNDISCOVERABLE:
+        return ep.discovery.reason()
     return ep.canary.reason
 
 

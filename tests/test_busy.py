@@ -129,7 +129,12 @@ def test_busy_and_stalled_is_notready_as_stalled_within_the_window(engine, sidec
         text = side.metrics()
         assert metric(text, "health_sidecar_engine_stalled", endpoint="generate") == 1
         assert (
-            metric(text, "health_sidecar_engine_health_disagreements_total", endpoint="generate")
+            metric(
+                text,
+                "health_sidecar_engine_health_disagreements_total",
+                endpoint="generate",
+                engine_says="ready",
+            )
             == 1
         )
         assert side.get("/live").status_code == 200  # hung briefly: not yet a restart

@@ -366,6 +366,24 @@ def kind_of(name: str) -> Kind | None:
             st.one_of(st.integers(1, 1024).map(str), st.just("auto")),
             parsed=lambda v: v if v == "auto" else int(v),
         ),
+        "DYN_FILE_KV": lambda: Kind(
+            SAFE_NAME,  # relative: the worker's directory is named absolutely
+            st.lists(SAFE_NAME, min_size=1, max_size=3).map(lambda p: "/" + "/".join(p)),
+            parsed=lambda v: v,
+        ),
+        "SIDECAR_DYNAMO_ENDPOINT": lambda: Kind(
+            st.one_of(
+                st.lists(SAFE_NAME, min_size=2, max_size=2).map(".".join),
+                st.lists(SAFE_NAME, min_size=4, max_size=5).map(".".join),
+                SAFE_NAME.map(lambda v: v + "/x"),
+            ),
+            st.one_of(
+                SAFE_NAME,
+                st.lists(SAFE_NAME, min_size=3, max_size=3).map(".".join),
+                st.lists(SAFE_NAME, min_size=3, max_size=3).map(lambda p: "dyn://" + ".".join(p)),
+            ),
+            parsed=lambda v: v.removeprefix("dyn://"),
+        ),
         "SIDECAR_MODEL": lambda: Kind(
             st.text(alphabet=" \t\n\r\x0b\x0c\u00a0\u2003\u3000", min_size=1),
             ANY_TEXT.filter(lambda v: v.strip() != ""),
@@ -449,6 +467,7 @@ def test_valid_value_is_taken_as_given(
         "SIDECAR_CONTROL_TOKEN": {"SIDECAR_CONTROL_PORT": "9091"},
         "SIDECAR_DP_MIN_READY_RANKS": {"SIDECAR_DP_RANKS": "1024"},
         "SIDECAR_KV_PEER_URL": {"SIDECAR_DISAGGREGATION_MODE": "decode"},
+        "SIDECAR_DYNAMO_ENDPOINT": {"SIDECAR_TRANSPORT": "dynamo"},
     }.get(name, {})
     loaded = load(monkeypatch, **{name: value}, **needs)
     key, _ = field_of(name)

@@ -1,18 +1,21 @@
-"""Role-aware canaries: one prober per backend, and the pure rule that plans an endpoint's canary.
+"""Role-aware canaries: one prober per backend and transport, and the pure rule that plans an
+endpoint's canary.
 
-Where is a decode canary built? In the backend's module: ``vllm.py``, ``sglang.py``,
-``trtllm.py`` or ``openai.py``, method ``body``.
+Where is a decode canary built? In the backend's module, method ``body``: over the engine's HTTP
+API ``vllm.py``, ``sglang.py``, ``trtllm.py`` or ``openai.py``; over Dynamo's request plane
+(SIDECAR_TRANSPORT=dynamo) ``dynamo/vllm.py``, ``dynamo/sglang.py`` or ``dynamo/trtllm.py``.
 """
 
 from __future__ import annotations
 
 from sidecar.canary.base import CanaryPlan, CanaryRequest, Prober, Role
+from sidecar.canary.dynamo import DynamoSglangProber, DynamoTrtllmProber, DynamoVllmProber
 from sidecar.canary.openai import OpenAIProber
 from sidecar.canary.sglang import SglangProber
 from sidecar.canary.transfer import PATH
 from sidecar.canary.trtllm import TrtllmProber
 from sidecar.canary.vllm import VllmProber
-from sidecar.config import GENERATE, KV_TRANSFER, Backend, Settings
+from sidecar.config import GENERATE, KV_TRANSFER, Backend, Settings, Transport
 
 __all__ = [
     "CanaryPlan",
@@ -26,6 +29,17 @@ __all__ = [
 
 
 def prober_for(settings: Settings) -> Prober:
+    if settings.transport is Transport.DYNAMO:
+        endpoint = settings.dynamo_endpoint or GENERATE
+        match settings.backend:
+            case Backend.VLLM:
+                return DynamoVllmProber(endpoint)
+            case Backend.SGLANG:
+                return DynamoSglangProber(endpoint, settings.sglang_bootstrap_port)
+            case Backend.TRTLLM:
+                return DynamoTrtllmProber(endpoint)
+            case Backend.OPENAI:  # refused by the configuration's checks
+                raise ValueError("no Dynamo worker speaks the openai backend")
     match settings.backend:
         case Backend.VLLM:
             return VllmProber()

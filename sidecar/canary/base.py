@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
-from sidecar.config import Backend, Mode, ModelType
+from sidecar.config import Backend, Mode, ModelType, Transport
 from sidecar.evidence.progress import (
     COMPLETED,
     GENERATION,
@@ -65,13 +65,15 @@ class Prober:
     """
 
     backend: ClassVar[Backend]
+    # How the canary reaches the engine: its HTTP API, or Dynamo's request plane (canary/dynamo/).
+    transport: ClassVar[Transport] = Transport.HTTP
     generation_path: ClassVar[str]
     # The engine's cheapest "up and model loaded" route.
     registration_path: ClassVar[str]
     # Whether the body names the served model (then it is discovered from GET /v1/models).
     needs_model: ClassVar[bool] = True
     # Where the engine publishes Prometheus metrics, and which samples show work and progress.
-    progress: ClassVar[ProgressSpec]
+    progress: ProgressSpec
     # The engine's "are you asleep" route (answers {"is_sleeping": bool}), and the gauge that is
     # 1 while it is awake (0 asleep) in its metrics; none for a backend that cannot sleep.
     sleep_path: ClassVar[str | None] = None
@@ -104,6 +106,14 @@ class Prober:
     def problem(self, answer: Any, expected_tokens: int | None) -> str | None:
         """What is wrong with a 200 answer's parsed JSON body, or None when it is well formed."""
         return completion_problem(answer, expected_tokens)
+
+    def generic_problem(self, answer: Any) -> str | None:
+        """What is wrong with the answer to a user's DYN_HEALTH_CHECK_PAYLOAD, or None."""
+        return generic_problem(answer)
+
+    def stamped(self, role: Role, payload: dict[str, Any]) -> dict[str, Any]:
+        """A user's DYN_HEALTH_CHECK_PAYLOAD as it goes out (over HTTP: verbatim)."""
+        return dict(payload)
 
     def answer(self, parsed: Any, role: Role) -> str | None:
         """What a well-formed answer generated (its text, and token ids where it carries them),
@@ -156,7 +166,8 @@ class CanaryPlan:
 
     def request(self, model: str | None, request_id: str) -> CanaryRequest:
         if self.override is not None:
-            request = CanaryRequest("POST", self.path, dict(self.override), request_id, None)
+            body = self.prober.stamped(self.role, self.override)
+            request = CanaryRequest("POST", self.path, body, request_id, None)
         else:
             body, tokens = self.prober.body(self.role, model, request_id)
             request = CanaryRequest("POST", self.path, body, request_id, tokens)
@@ -191,7 +202,7 @@ class CanaryPlan:
 
     def problem(self, answer: Any, expected_tokens: int | None) -> str | None:
         if self.override is not None:
-            return generic_problem(answer)
+            return self.prober.generic_problem(answer)
         return self.prober.problem(answer, expected_tokens)
 
     def answer(self, parsed: Any) -> str | None:

@@ -20,7 +20,7 @@ class OpenAIProber(Prober):
     registration_path: ClassVar[str] = "/health"
     # llama.cpp's llama-server (started with --metrics); other servers publish none of these,
     # and then the canary alone decides.
-    progress: ClassVar[ProgressSpec] = ProgressSpec(
+    progress: ProgressSpec = ProgressSpec(
         path="/metrics",
         running=series("llamacpp:requests_processing"),
         waiting=series("llamacpp:requests_deferred"),

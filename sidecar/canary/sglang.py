@@ -34,7 +34,7 @@ class SglangProber(Prober):
     # GenerateReqInput.data_parallel_rank routes a request to one DP rank. No per-rank label of
     # SGLang's metrics was measured here: ranks get their own canary, not their own progress.
     rank_field: ClassVar[str | None] = "data_parallel_rank"
-    progress: ClassVar[ProgressSpec] = ProgressSpec(
+    progress: ProgressSpec = ProgressSpec(
         path="/metrics",  # needs --enable-metrics; served gzip-compressed when the client allows
         running=series("sglang:num_running_reqs"),
         waiting=series("sglang:num_queue_reqs"),

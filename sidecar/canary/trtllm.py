@@ -32,7 +32,7 @@ class TrtllmProber(Prober):
     # return_perf_metrics). Names vary across releases: older ones have no trtllm_ prefix, some
     # forks publish vLLM-style gauges. Without a running gauge, busy cannot be told from idle and
     # the canary alone decides; advancing counters still excuse a canary queued behind work.
-    progress: ClassVar[ProgressSpec] = ProgressSpec(
+    progress: ProgressSpec = ProgressSpec(
         path="/prometheus/metrics",
         running=series("trtllm_num_requests_running", "tensorrt_llm:num_requests_running"),
         waiting=series("trtllm_num_requests_waiting", "tensorrt_llm:num_requests_waiting"),

