@@ -791,6 +791,11 @@ def _transport_checks(s: Settings) -> list[str]:
             f"{env_name('kv_peer_url')}={_shown('kv_peer_url', s.kv_peer_url)}: expected unset "
             f"with {name}=dynamo (the transfer probe speaks vLLM's HTTP API)"
         )
+    if s.canary_path is not None:
+        lines.append(
+            f"{env_name('canary_path')}={s.canary_path!r}: expected unset with {name}=dynamo (the "
+            f"canary goes over the request plane; {env_name('dynamo_endpoint')} names the endpoint)"
+        )
     if s.discovery_backend is DiscoveryBackend.FILE and s.file_kv is None:
         lines.append(
             f"{env_name('file_kv')}: expected the worker's file-discovery directory with "

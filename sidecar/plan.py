@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 from sidecar.canary import CanaryPlan, plan_canary
-from sidecar.config import Settings
+from sidecar.config import DiscoveryBackend, Settings, Transport
 from sidecar.health import policy_from
 from sidecar.verdict import RULE_TEXT, Rule
 
@@ -23,6 +23,12 @@ def _example_body(plan: CanaryPlan, settings: Settings) -> dict[str, Any]:
 
 
 def _passes_when(plan: CanaryPlan, settings: Settings) -> str:
+    if settings.transport is Transport.DYNAMO:
+        whole = f"the whole stream ends within {settings.request_timeout:g} s"
+        if plan.override is not None:
+            return whole + ", without an error, with a finish reason on its last chunk"
+        _, tokens = plan.prober.body(plan.role, settings.model, "x")
+        return whole + f", with {tokens} token(s) and finish reason 'length'"
     whole = f"the whole answer arrives within {settings.request_timeout:g} s with HTTP 200 and JSON"
     if plan.override is not None:
         return whole + ", without an error, with a finish reason where the answer has one"
@@ -133,10 +139,44 @@ def _transfer_lines(s: Settings) -> list[str]:
     ]
 
 
+def _dynamo_lines(plan: CanaryPlan, s: Settings) -> list[str]:
+    """How a Dynamo worker is found, asked and reached (SIDECAR_TRANSPORT=dynamo)."""
+    want = s.dynamo_endpoint or "generate"
+    health = s.registration_path or plan.prober.registration_path
+    if s.discovery_backend is DiscoveryBackend.KUBERNETES:
+        found = (
+            f"GET /metadata every {s.registration_interval:g} s: the instance of endpoint {want} "
+            "and the record the worker advertises for it, kept in the sidecar's own file "
+            "discovery (in TMPDIR)"
+        )
+        discovery = (
+            "not asked: the cluster lists only Ready pods, so the canary reaches the worker by "
+            "its own record; no cluster rights needed"
+        )
+    else:
+        metrics = s.metrics_path or plan.prober.progress.path
+        found = (
+            f"GET {metrics} every {s.registration_interval:g} s: the instance of endpoint {want} "
+            "(dynamo_component_* labels)"
+        )
+        where = f"file ({s.file_kv})" if s.discovery_backend is DiscoveryBackend.FILE else "etcd"
+        discovery = (
+            f"{where}, as the worker's: missing there while the system server answers is "
+            "notready 'not discoverable', and, listed before, a liveness clock"
+        )
+    return [
+        f"worker         Dynamo system server {s.engine_url}; request plane {s.request_plane}",
+        f"  instance     {found}",
+        f"  own health   GET {health}: shown beside the verdict, never a gate",
+        f"  discovery    {discovery}",
+    ]
+
+
 def render(settings: Settings) -> str:
     plan = plan_canary(settings)
     registration = settings.registration_path or plan.prober.registration_path
     s = settings
+    dynamo = s.transport is Transport.DYNAMO
     lines = [
         "health-sidecar: configuration is valid",
         "",
@@ -144,8 +184,14 @@ def render(settings: Settings) -> str:
         f"model type {s.model_type})",
         "engine auth    "
         + ("bearer token from SIDECAR_ENGINE_API_KEY" if s.engine_api_key else "none"),
-        f"registration   GET {registration} every {s.registration_interval:g} s, timeout "
-        f"{s.request_timeout:g} s: registered while it answers 200",
+        *(
+            _dynamo_lines(plan, s)
+            if dynamo
+            else [
+                f"registration   GET {registration} every {s.registration_interval:g} s, timeout "
+                f"{s.request_timeout:g} s: registered while it answers 200"
+            ]
+        ),
         "",
         f"endpoint {plan.endpoint}",
     ]
@@ -159,9 +205,20 @@ def render(settings: Settings) -> str:
         lines += [
             f"  canary       yes: {plan.why}",
             f"  model        {model}",
-            f"  request      {'POST'} {plan.path}",
-            f"  body         {json.dumps(_example_body(plan, s))}",
-            "  headers      X-Request-Id: canary-<uuid>",
+            *(
+                [
+                    f"  request      over the request plane, direct to the instance of {plan.path}"
+                    " (never a frontend or router)",
+                    f"  payload      {json.dumps(_example_body(plan, s))}",
+                    "  context      id canary-<uuid>; stopped on the worker when it times out",
+                ]
+                if dynamo
+                else [
+                    f"  request      {'POST'} {plan.path}",
+                    f"  body         {json.dumps(_example_body(plan, s))}",
+                    "  headers      X-Request-Id: canary-<uuid>",
+                ]
+            ),
             f"  passes when  {_passes_when(plan, s)}",
             f"  schedule     once registered; then after {s.canary_wait_time:g} s without a passed "
             f"canary; every {s.retry_interval:g} s while failing or unproven; one at a time",
@@ -182,10 +239,12 @@ def render(settings: Settings) -> str:
             "  ready when   registered and the canary's verdict is ready",
         ]
     else:
-        lines += [
-            f"  canary       no: {plan.why}",
-            f"  ready when   registered (GET {registration} answers 200)",
-        ]
+        when = (
+            "registered (the system server names the instance)"
+            if dynamo
+            else f"registered (GET {registration} answers 200)"
+        )
+        lines += [f"  canary       no: {plan.why}", f"  ready when   {when}"]
     listed = s.use_endpoint_health_status
     rule = Rule.LISTED if listed else Rule.MONITORED
     lines += [
@@ -195,8 +254,13 @@ def render(settings: Settings) -> str:
         f"               before an endpoint's first verdict: {s.starting_health_status} "
         "(DYN_SYSTEM_STARTING_HEALTH_STATUS)",
         f"liveness       fails after {s.liveness_window:g} s on one clock: registration timing "
-        "out (a role without a canary), canary failing hard (timeouts, 5xx), or a confirmed "
-        "stall; never while the engine answers its health route with non-200, refuses "
+        "out (a role without a canary), canary failing hard (timeouts, 5xx), a confirmed "
+        + (
+            "stall, or an instance gone from discovery; never while"
+            if dynamo
+            else "stall; never while"
+        )
+        + " the engine answers its health route with non-200, refuses "
         "connections, or rejects a canary that never passed (4xx)",
         *_progress_lines(plan, s),
         *_lifecycle_lines(plan, s),

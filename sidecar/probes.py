@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import yaml
 
 from sidecar.canary import plan_canary
-from sidecar.config import Settings
+from sidecar.config import DiscoveryBackend, Settings, Transport
 from sidecar.health import policy_from
 
 READINESS_TARGET_SECONDS = 30.0
@@ -46,6 +46,7 @@ LIVENESS_FAILURES = 3  # 30 s: rides out a restart of the sidecar (the probes' t
 LIVENESS_GRACE = 30  # probe-level terminationGracePeriodSeconds: a hung engine drains nothing
 WIDTH = 100
 BIND_ALL = ("0.0.0.0", "::", "[::]")
+DYNAMO_SYSTEM_PORT = 9090  # the port Dynamo's operator gives a worker's system server
 
 
 @dataclass(frozen=True)
@@ -189,6 +190,9 @@ def render(settings: Settings, max_load_seconds: float) -> str:
     s = settings
     role = f"backend {s.backend}, mode {s.disaggregation_mode}, model type {s.model_type}"
     canary = "canary on" if z.canary else "no canary"
+    dynamo = s.transport is Transport.DYNAMO
+    if dynamo and z.canary:
+        canary += ", over Dynamo's request plane to the worker instance of this pod"
     lines = _comment(
         f"Probes for the engine container (paste them under it, not under the sidecar: a "
         f"liveness failure restarts only the container whose probe failed). They target the "
@@ -199,6 +203,11 @@ def render(settings: Settings, max_load_seconds: float) -> str:
         lines += _comment(
             f"WARNING: DYN_SYSTEM_HOST={s.system_host}: the kubelet probes the pod IP, so the "
             "sidecar must bind 0.0.0.0 for these probes to reach it."
+        )
+    if dynamo and s.system_port == DYNAMO_SYSTEM_PORT:
+        lines += _comment(
+            f"WARNING: DYN_SYSTEM_PORT={s.system_port} is the Dynamo worker's own system port "
+            "under the operator: give the sidecar another (9091)."
         )
     if z.hang_to_unready > READINESS_TARGET_SECONDS:
         lines += _comment(
@@ -235,11 +244,17 @@ def render(settings: Settings, max_load_seconds: float) -> str:
             f"restarted, within {_secs(z.hang_to_restart)} s"
         )
     busy = "while canaries still pass however busy it is" if z.canary else "while it is busy"
+    orphan = (
+        ", or its instance gone from discovery while it answers (an orphaned worker)"
+        if dynamo and s.discovery_backend is not DiscoveryBackend.KUBERNETES
+        else ""
+    )
     lines += _probe(
         "livenessProbe",
         f"{s.live_path} fails only after {_secs(s.liveness_window)} s of uninterrupted hard "
-        "failure (the engine accepts connections but does not answer in time, or answers 5xx); "
-        f"never while it loads, {busy}, or while it refuses connections; {restart}.",
+        f"failure (the engine accepts connections but does not answer in time, or answers "
+        f"5xx{orphan}); never while it loads, {busy}, or while it refuses connections; "
+        f"{restart}.",
         lv,
         z.port,
         {
@@ -266,6 +281,11 @@ def render(settings: Settings, max_load_seconds: float) -> str:
             f"{s.health_path} follows the engine's own health route (no canary): 503 within "
             f"{_secs(z.hang_to_notready)} s of it failing or refusing. A hang behind a 200 "
             "health route is not seen without a canary."
+        )
+    if dynamo:
+        detect += (
+            " Under Dynamo's Kubernetes discovery a pod that is not Ready leaves the Frontend's "
+            "routing; under etcd, readiness gates rollouts and Services only."
         )
     lines += _probe(
         "readinessProbe",
