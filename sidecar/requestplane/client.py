@@ -37,6 +37,7 @@ from sidecar.requestplane.identity import Instance
 
 # More chunks than a canary of a few tokens can need: a worker streaming on and on is broken.
 MAX_CHUNKS = 256
+
 INSTANCES = "v1/instances"  # file discovery's bucket of endpoint records
 ERROR_TEXT_CHARS = 200
 
@@ -54,9 +55,10 @@ def classify(exc: BaseException) -> tuple[Outcome, str, bool]:
     - ``CannotConnect`` / "TCP connection to ... failed": nothing listens (a killed worker);
     - ``DeadlineExceeded`` / ``ConnectionTimeout``: the runtime's own request timeout;
     - ``Disconnected`` / ``StreamIncomplete``: the stream broke mid-answer;
-    - ``InvalidRequest: <type>: <message>`` (a ValueError) and any other error: the worker's
-      handler raised, i.e. the worker refused the request (TensorRT-LLM decode's "Disaggregated
-      params are required for decode mode")."""
+    - ``InvalidRequest: <type>: <message>`` and ``Internal: <type>: <message>`` (both raised as
+      ValueError: the handler raised a ValueError, or anything else) and any other error: the
+      worker's handler refused the request (TensorRT-LLM decode's "Disaggregated params are
+      required for decode mode", SGLang decode's "bootstrap_info is required ...")."""
     text = _text(exc)
     kind = type(exc).__name__
     lowered = text.lower()
@@ -68,7 +70,8 @@ def classify(exc: BaseException) -> tuple[Outcome, str, bool]:
         return Outcome.TIMEOUT, f"the runtime's request timeout: {text}", False
     if kind in ("Disconnected", "StreamIncomplete", "EngineShutdown"):
         return Outcome.ERROR, f"the stream broke mid-answer: {text}", False
-    return Outcome.ERROR, f"worker error: {text.removeprefix('InvalidRequest: ')}", True
+    said = text.removeprefix("InvalidRequest: ").removeprefix("Internal: ")
+    return Outcome.ERROR, f"worker error: {said}", True
 
 
 def url_safe(key: str) -> str:

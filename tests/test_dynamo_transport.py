@@ -1,0 +1,333 @@
+"""The sidecar canaries a Dynamo worker over Dynamo's own request plane (SIDECAR_TRANSPORT=dynamo).
+
+Every worker here is the fake Dynamo worker (``sidecar.fakeengine.dynamo``): a real worker on the
+real runtime, with each backend's handler rules (TensorRT-LLM decode's "Disaggregated params are
+required for decode mode", SGLang decode's missing bootstrap_info) and faults. The sidecar is
+started as users start it, with the worker's system server as SIDECAR_ENGINE_URL and the
+worker's discovery directory; what reached the worker is read from the worker itself. Everything
+runs in a private network namespace (Dynamo's event plane listens on 0.0.0.0).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.dynamo_worker import DynamoClient, FakeDynamoWorker, dynamo_env
+from tests.harness import ROOT, Sidecar, base_env, wait_until
+from tests.netns import isolated  # noqa: F401 (a fixture)
+from tests.test_e2e_fake import metric
+
+BACKENDS = ("vllm", "sglang", "trtllm")
+MODES = ("aggregated", "prefill", "decode")
+WAIT, TIMEOUT = 1.0, 0.5  # conftest.FAST
+BOUND = WAIT + TIMEOUT + 2.0  # a hang -> 503
+TRTLLM_DECODE_ERROR = "Disaggregated params are required for decode mode"
+
+
+@pytest.fixture(scope="module")
+def kv_dir(isolated) -> Iterator[Path]:  # noqa: F811
+    with tempfile.TemporaryDirectory(prefix="dynamo-kv-") as path:
+        yield Path(path)
+
+
+@pytest.fixture(scope="module")
+def workers(kv_dir) -> Iterator[dict[tuple[str, str], FakeDynamoWorker]]:
+    """One fake worker per backend and role, all in one namespace each (as a deployment's)."""
+    started = {
+        (backend, mode): FakeDynamoWorker(backend, mode, kv_dir=kv_dir, namespace=backend)
+        for backend in BACKENDS
+        for mode in MODES
+    }
+    try:
+        for worker in started.values():
+            worker.launch()
+        for worker in started.values():
+            worker.wait_started()
+        yield started
+    finally:
+        for worker in started.values():
+            worker.close()
+
+
+@pytest.fixture(scope="module")
+def client(kv_dir) -> Iterator[DynamoClient]:
+    """A Dynamo runtime client of the test's own, to send what the sidecar never would."""
+    dyn = DynamoClient(kv_dir)
+    try:
+        yield dyn.start()
+    finally:
+        dyn.close()
+
+
+@pytest.fixture(autouse=True)
+def no_faults(request) -> Iterator[None]:
+    yield
+    if "workers" in request.fixturenames:
+        for worker in request.getfixturevalue("workers").values():
+            if worker.proc is not None and worker.proc.popen.poll() is None:
+                worker.fault()
+
+
+def dynamo_sidecar_env(worker: FakeDynamoWorker, **extra: str) -> dict[str, str]:
+    return (
+        dynamo_env(worker.kv_dir)
+        | {
+            "SIDECAR_TRANSPORT": "dynamo",
+            "SIDECAR_ENGINE_URL": worker.system_url,
+            "DYN_DISCOVERY_BACKEND": "file",
+            "DYN_HEALTH_CHECK_ENABLED": "true",
+            "SIDECAR_BACKEND": worker.backend,
+            "SIDECAR_DISAGGREGATION_MODE": worker.mode,
+        }
+        | extra
+    )
+
+
+def canaries(worker: FakeDynamoWorker, since: float = 0.0) -> list[dict[str, Any]]:
+    """The sidecar's canaries that reached the worker (their context id is the canary's id)."""
+    return [
+        r
+        for r in worker.state()["requests"]
+        if r["id"].startswith("canary-") and r["started"] >= since
+    ]
+
+
+def listening(pid: int) -> set[tuple[str, int]]:
+    """The TCP addresses a process listens on (its socket inodes, found in /proc/net/tcp)."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        target = os.readlink(fd) if fd.is_symlink() else ""
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    found = set()
+    for line in Path(f"/proc/{pid}/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if fields[3] == "0A" and fields[9] in inodes:  # LISTEN
+            host, port = fields[1].split(":")
+            address = socket.inet_ntoa(bytes.fromhex(host)[::-1])
+            found.add((address, int(port, 16)))
+    return found
+
+
+def answers_http(port: int) -> bool:
+    with socket.create_connection(("127.0.0.1", port), timeout=0.5) as sock:
+        sock.sendall(b"GET /health HTTP/1.0\r\n\r\n")
+        try:
+            return sock.recv(5) == b"HTTP/"
+        except (TimeoutError, ConnectionError):
+            return False
+
+
+def check(side: Sidecar) -> dict[str, Any]:
+    return side.health()[1]["checks"]["generate"]
+
+
+# --- the role matrix ------------------------------------------------------------------------------
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("mode", MODES)
+def test_role_matrix_over_the_request_plane(workers, sidecar, backend, mode):
+    worker = workers[(backend, mode)]
+    side = sidecar(dynamo_sidecar_env(worker))
+    side.wait_status(200, 10)
+    body = side.health()[1]
+    assert body["checks"]["generate"]["registration"].startswith(
+        f"{worker.endpoint_path} instance {worker.instance_id:x}"
+    )
+    sent = canaries(worker)
+    assert sent, "no canary reached the worker"
+    assert {r["outcome"] for r in sent} == {"completed"}
+    payload = sent[-1]["payload"]
+    if backend == "trtllm" and mode != "aggregated":
+        assert payload["disaggregated_params"] == {"request_type": "context_and_generation"}
+        assert payload["_HEALTH_CHECK"] is True
+    if backend == "sglang" and mode != "aggregated":
+        assert payload["bootstrap_info"]["bootstrap_host"] == "2.2.2.2"
+
+    worker.fault(hang=True)
+    hung_at = time.monotonic()
+    detected = side.wait_status(503, BOUND + 1)
+    reason = check(side)["reason"]
+    assert reason.startswith("canary timeout"), reason
+    worker.fault()
+    recovered = side.wait_status(200, 3)
+    print(f"\nDYNAMO {backend}/{mode}: 503 after {time.monotonic() - hung_at - recovered:.2f} s "
+          f"(bound {BOUND:g} s), 200 again after {recovered:.2f} s")  # fmt: skip
+    assert detected <= BOUND
+    # Every canary that timed out was stopped on the worker: nothing of the sidecar's runs there.
+    wait_until(lambda: worker.state()["in_flight_canaries"] == 0, 2, what="no canary in flight")
+
+
+# --- DIS-1737 over the real request plane ---------------------------------------------------------
+def test_a_plain_payload_to_trtllm_decode_is_rejected_and_the_sidecars_is_not(
+    workers, client, sidecar
+):
+    worker = workers[("trtllm", "decode")]
+    plain = {"token_ids": [1, 2, 3], "stop_conditions": {"max_tokens": 1}}
+    answer = client.call(worker.endpoint_path, plain, instance_id=worker.instance_id)
+    assert TRTLLM_DECODE_ERROR in (answer["error"] or ""), answer
+    assert not answer["chunks"]
+    side = sidecar(dynamo_sidecar_env(worker))
+    side.wait_status(200, 10)
+    assert canaries(worker)[-1]["outcome"] == "completed"
+
+
+def test_a_rejected_canary_is_notready_with_the_workers_words_and_never_a_restart(workers, sidecar):
+    """A sidecar misconfigured as vLLM beside a TensorRT-LLM decode worker sends a payload
+    without disaggregated_params: the worker refuses it from the start. Notready, with the
+    worker's error; and live, since a restart would be DIS-1737's crash loop."""
+    worker = workers[("trtllm", "decode")]
+    side = sidecar(dynamo_sidecar_env(worker, SIDECAR_BACKEND="vllm", SIDECAR_LIVENESS_WINDOW="2"))
+    wait_until(
+        lambda: TRTLLM_DECODE_ERROR in check(side)["reason"], 10, what="the worker's refusal"
+    )
+    assert side.health()[0] == 503
+    assert check(side)["last_canary"]["outcome"] == "error"
+    time.sleep(2.5)  # past the liveness window
+    assert side.get("/live").status_code == 200
+    assert check(side)["hard_failure_since"] is None
+
+
+def test_sglang_decode_without_bootstrap_info_is_rejected(workers, client):
+    worker = workers[("sglang", "decode")]
+    answer = client.call(worker.endpoint_path, {"token_ids": [1]}, instance_id=worker.instance_id)
+    assert "bootstrap_info is required for disaggregated decode" in (answer["error"] or "")
+
+
+# --- the deadline covers the whole stream; do no harm ---------------------------------------------
+def test_a_stall_after_the_first_token_is_notready(workers, sidecar):
+    """Dynamo's own canary judges the first chunk only and never sees this."""
+    worker = workers[("vllm", "aggregated")]
+    side = sidecar(dynamo_sidecar_env(worker))
+    side.wait_status(200, 10)
+    worker.fault(stall_after_first=True)
+    side.wait_status(503, BOUND + 1)
+    assert "(1 chunk(s) arrived); stopped on the worker" in check(side)["reason"]
+
+
+def test_timed_out_canaries_are_stopped_on_the_worker_and_never_pile_up(workers, sidecar):
+    worker = workers[("sglang", "aggregated")]
+    side = sidecar(dynamo_sidecar_env(worker, SIDECAR_CANARY_RETRY_INTERVAL="0.2"))
+    side.wait_status(200, 10)
+    worker.fault(hang=True)
+    since = time.time()
+    most = 0
+    deadline = time.monotonic() + 4
+    while time.monotonic() < deadline:
+        most = max(most, worker.state()["in_flight_canaries"])
+        time.sleep(0.02)
+    worker.fault()
+    timed_out = [r for r in canaries(worker, since) if r["outcome"] == "stopped"]
+    print(f"\nDYNAMO {len(timed_out)} canaries timed out in 4 s; at most {most} ran on the worker")
+    assert len(timed_out) >= 4
+    # One at a time; each stopped on the worker when it timed out. The next may leave while the
+    # worker's handler is still noticing the stop (the runtime delivers it in about 3 ms, the
+    # handler polls every 10 ms): two for a moment, never a pile.
+    assert most <= 2
+    for record in timed_out:
+        assert record["ended"] - record["started"] < TIMEOUT + 0.3
+
+
+def test_no_task_thread_or_socket_leaks_after_1000_canaries_and_100_timeouts(workers, sidecar):
+    worker = workers[("vllm", "decode")]
+    side = sidecar(
+        dynamo_sidecar_env(
+            worker,
+            DYN_CANARY_WAIT_TIME="0.001",
+            SIDECAR_CANARY_RETRY_INTERVAL="0.001",
+            DYN_HEALTH_CHECK_REQUEST_TIMEOUT="0.05",
+            SIDECAR_FAILURE_THRESHOLD="100",
+        )
+    )
+    side.wait_status(200, 10)
+    pid = side.proc.pid
+
+    def canaries_total(outcome: str) -> float:
+        text = side.metrics()
+        return metric(text, "health_sidecar_canary_total", endpoint="generate", outcome=outcome)
+
+    def footprint() -> dict[str, float]:
+        text = side.metrics()
+        status = Path(f"/proc/{pid}/status").read_text()
+        rss = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS"))
+        return {
+            "threads": len(os.listdir(f"/proc/{pid}/task")),
+            "fds": len(os.listdir(f"/proc/{pid}/fd")),
+            "tasks": metric(text, "health_sidecar_asyncio_tasks") or 0.0,
+            "rss_mib": rss / 1024,
+        }
+
+    wait_until(lambda: canaries_total("success") >= 50, 30, what="50 canaries (warm-up)")
+    before = footprint()
+    start = canaries_total("success")
+    wait_until(lambda: canaries_total("success") >= start + 1000, 120, what="1000 canaries")
+    worker.fault(hang=True)
+    wait_until(lambda: canaries_total("timeout") >= 100, 60, what="100 timeouts")
+    worker.fault()
+    wait_until(lambda: worker.state()["in_flight_canaries"] == 0, 2, what="no canary in flight")
+    time.sleep(0.5)
+    after = footprint()
+    print(
+        f"\nDYNAMO footprint after 1000 canaries and 100 timeouts: before {before}, after {after}"
+    )
+    assert after["threads"] <= before["threads"]
+    assert after["fds"] <= before["fds"] + 2
+    assert after["tasks"] <= before["tasks"] + 1
+    assert after["rss_mib"] <= before["rss_mib"] + 15
+    stopped = worker.state()["stopped"]
+    assert stopped >= 100  # every timed-out canary was stopped on the worker
+
+
+# --- configuration at start -----------------------------------------------------------------------
+def test_the_transport_without_the_extra_fails_with_one_line(tmp_path):
+    """A Python without ai-dynamo-runtime (here: a `dynamo` package that shadows it)."""
+    shadow = tmp_path / "dynamo"
+    shadow.mkdir()
+    (shadow / "__init__.py").write_text("")
+    env = base_env() | {
+        "PYTHONPATH": str(tmp_path),
+        "SIDECAR_TRANSPORT": "dynamo",
+        "DYN_DISCOVERY_BACKEND": "file",
+        "DYN_FILE_KV": str(tmp_path),
+    }
+    done = subprocess.run(
+        [sys.executable, "-m", "sidecar", "--check-config"],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert lines[0].startswith("health-sidecar: configuration error: SIDECAR_TRANSPORT=dynamo:")
+    assert "pip install 'health-sidecar[dynamo]'" in lines[0]
+
+
+def test_the_runtime_never_sees_the_sidecars_own_variables(workers, sidecar):
+    """The sidecar's fractional canary wait (refused by the runtime's parser) and its own system
+    port (a runtime would start a second server there) stay the sidecar's."""
+    worker = workers[("vllm", "prefill")]
+    side = sidecar(dynamo_sidecar_env(worker, DYN_CANARY_WAIT_TIME="0.75"))
+    side.wait_status(200, 10)
+    # Its own HTTP server, and the runtime's listener for the answers the worker streams back:
+    # no second system server.
+    addresses = listening(side.proc.pid)
+    assert ("127.0.0.1", side.port) in addresses
+    others = [port for _, port in addresses if port != side.port]
+    assert len(others) == 1
+    assert not answers_http(others[0])
+    text = side.metrics()
+    assert 'transport="dynamo"' in text
+    assert json.loads(side.get("/sidecar/live").text)["status"] == "live"
