@@ -190,3 +190,79 @@ class Dynamo:
         for proc in (self.frontend, self.worker):
             if proc is not None:
                 proc.stop()
+
+
+class MockerWorker:
+    """One Dynamo mocker worker (``python -m dynamo.mocker``, the real worker of ai-dynamo with a
+    simulated engine) on the request plane: file discovery in ``kv_dir`` (workers sharing it are
+    one deployment), TCP request plane, its system server on a free port below 32768. Dynamo's
+    event plane listens on 0.0.0.0: start it only in a private network namespace
+    (``tests.netns``)."""
+
+    def __init__(self, kv_dir: str | Path, name: str = "mocker", *extra: str) -> None:
+        from tests.dynamo_worker import dynamo_env
+
+        self.paths = require("DYNAMO_PYTHON", "DYNAMO_MODEL_DIR")
+        self.kv_dir = Path(kv_dir)
+        self.name = name
+        self.extra = list(extra)
+        self.env = base_env() | dynamo_env(self.kv_dir) | {"DYN_LOG": "warn"}
+        self.system_port = free_port_in(10000, 32000)  # Dynamo parses it as an i16
+        self.proc: Proc | None = None
+        self.instance_id: int | None = None
+        self.endpoint_path = "dynamo.backend.generate"
+
+    @property
+    def system_url(self) -> str:
+        return f"http://{LOOPBACK}:{self.system_port}"
+
+    def start(self, timeout: float = 60) -> MockerWorker:
+        from tests.dynamo_worker import endpoint_instances
+
+        python, model = self.paths["DYNAMO_PYTHON"], self.paths["DYNAMO_MODEL_DIR"]
+        argv = [python, "-m", "dynamo.mocker", "--model-path", model, "--model-name", "tiny"]
+        argv += ["--discovery-backend", "file", "--request-plane", "tcp", "--event-plane", "zmq"]
+        env = self.env | {"DYN_SYSTEM_PORT": str(self.system_port)}
+        self.proc = Proc([*argv, *self.extra], env, f"dynamo-mocker-{self.name}")
+
+        def served() -> list[int]:
+            assert self.proc is not None
+            if self.proc.popen.poll() is not None:
+                raise AssertionError(f"{self.proc.name} exited: {self.proc.output()[-2000:]}")
+            with httpx.Client(timeout=1, trust_env=False) as client:
+                text = client.get(f"{self.system_url}/metrics").text
+            return endpoint_instances(text, self.endpoint_path)
+
+        self.instance_id = wait_until(served, timeout, interval=0.1, what=f"{self.name} served")[0]
+        return self
+
+    def health(self) -> tuple[int | None, str]:
+        """What the worker's own /health answers: (status, body), or (None, error)."""
+        try:
+            with httpx.Client(timeout=1, trust_env=False) as client:
+                answer = client.get(f"{self.system_url}/health")
+                return answer.status_code, answer.text
+        except httpx.HTTPError as exc:
+            return None, type(exc).__name__
+
+    def record(self) -> Path:
+        """Its generate endpoint's record in file discovery."""
+        assert self.instance_id is not None
+        name = f"dynamo%2Fbackend%2Fgenerate%2F{self.instance_id:x}"
+        return self.kv_dir / "v1" / "instances" / name
+
+    def freeze(self) -> None:
+        assert self.proc is not None
+        self.proc.signal(signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        assert self.proc is not None
+        self.proc.signal(signal.SIGCONT)
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.kill()
+
+    def close(self) -> None:
+        if self.proc is not None:
+            self.proc.stop()
