@@ -8,6 +8,7 @@ name one variable, the value it had and what was expected. Nothing falls back si
 
 from __future__ import annotations
 
+import importlib.util
 import ipaddress
 import json
 import os
@@ -751,12 +752,14 @@ DYNAMO_BACKENDS = (Backend.VLLM, Backend.SGLANG, Backend.TRTLLM)
 
 
 def runtime_missing() -> str | None:
-    """Why Dynamo's runtime client cannot be imported here, or None."""
+    """Why Dynamo's runtime client is not installed here, or None. Only looked up, not imported:
+    importing loads the runtime (and it reads Dynamo's variables); a runtime that is installed
+    but cannot load fails, with one line, when the sidecar starts it."""
     try:
-        from dynamo.runtime import DistributedRuntime  # noqa: F401
+        spec = importlib.util.find_spec("dynamo.runtime")
     except ImportError as exc:
         return f"{type(exc).__name__}: {exc}"
-    return None
+    return None if spec is not None else "No module named 'dynamo.runtime'"
 
 
 def _transport_checks(s: Settings) -> list[str]:

@@ -49,6 +49,17 @@ PROFILES = {
     "sglang-decode": ("sglang", "decode", "text"),
     "llamacpp-aggregated": ("openai", "aggregated", "text"),
 }
+# Dynamo workers (canaries over the request plane; the worker's system server is on 9090, the
+# sidecar on 9091): profile -> (SIDECAR_BACKEND, SIDECAR_DISAGGREGATION_MODE)
+DYNAMO_PROFILES = {
+    f"dynamo-{backend}-{mode}": (backend, mode)
+    for backend, modes in {
+        "vllm": ("aggregated", "prefill", "decode"),
+        "sglang": ("prefill", "decode"),
+        "trtllm": ("prefill", "decode"),
+    }.items()
+    for mode in modes
+}
 # topology overlay -> the profile of each of its Deployments
 TOPOLOGIES = {
     "vllm-aggregated": ("vllm-aggregated",),
@@ -121,7 +132,7 @@ def run(argv: list[str], **kw: Any) -> subprocess.CompletedProcess[str]:
 
 
 def test_every_profile_exists():
-    assert {p.stem for p in env_files()} >= set(PROFILES)
+    assert {p.stem for p in env_files()} == set(PROFILES) | set(DYNAMO_PROFILES)
     assert {p for t in TOPOLOGIES.values() for p in t} <= set(PROFILES)
 
 
@@ -148,6 +159,21 @@ def test_profile_says_its_role(name: str):
     host = urlsplit(env["SIDECAR_ENGINE_URL"]).hostname
     # In a pod the engine is on loopback; in compose it is the engine service.
     assert host == ("engine" if name == "llamacpp-aggregated" else "127.0.0.1")
+
+
+@pytest.mark.parametrize("name", sorted(DYNAMO_PROFILES))
+def test_dynamo_profile_says_its_role_and_reaches_the_worker_over_the_request_plane(
+    name: str, monkeypatch: pytest.MonkeyPatch
+):
+    settings = settings_of(CONFIG / f"{name}.env", monkeypatch)
+    backend, mode = DYNAMO_PROFILES[name]
+    assert (settings.backend, settings.disaggregation_mode) == (backend, mode)
+    assert settings.health_check_enabled
+    assert settings.transport == "dynamo"
+    assert settings.discovery_backend == "kubernetes"  # the operator's default
+    assert settings.engine_url == "http://127.0.0.1:9090"  # the worker's system server
+    assert settings.system_port == 9091
+    assert settings.use_endpoint_health_status == ("generate",)
 
 
 @pytest.mark.parametrize("path", env_files(), ids=lambda p: p.name)

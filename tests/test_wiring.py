@@ -249,8 +249,26 @@ def test_dgd_worker_probes_target_its_sidecar(name: str, monkeypatch):
     # The role, said to the sidecar.
     assert settings.backend == "vllm"
     assert str(settings.disaggregation_mode) == service["subComponentType"]
-    assert env["DYN_HEALTH_CHECK_ENABLED"] == "false"  # a Dynamo worker serves no OpenAI API
+    # Canaries on, over Dynamo's request plane (a Dynamo worker serves no HTTP generation API),
+    # found on the worker's own system server, under the operator's Kubernetes discovery.
+    assert settings.health_check_enabled
+    assert settings.transport == "dynamo"
+    assert settings.discovery_backend == "kubernetes"
     assert env["SIDECAR_ENGINE_URL"] == f"http://127.0.0.1:{DYNAMO_SYSTEM_PORT}"
+    assert sidecar["image"].endswith("-dynamo")  # built with the [dynamo] extra
+    # Its private discovery directory in /tmp (the root filesystem is read-only), and no
+    # service-account token: it needs no rights on the cluster.
+    # The same settings as its profile (config/dynamo-vllm-<mode>.env).
+    profile = ROOT / "config" / f"dynamo-vllm-{service['subComponentType']}.env"
+    assert env == dict(
+        line.split("=", 1)
+        for line in profile.read_text().splitlines()
+        if line and not line.startswith("#")
+    )
+    mounts = {m["mountPath"]: m["name"] for m in sidecar["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert "emptyDir" in volumes[mounts["/tmp"]]
+    assert "emptyDir" in volumes[mounts["/var/run/secrets/kubernetes.io/serviceaccount"]]
     # Its own port: 9090 is the worker's (the operator's `system` port).
     assert settings.system_port != DYNAMO_SYSTEM_PORT
     assert [p["containerPort"] for p in sidecar["ports"]] == [settings.system_port]
