@@ -44,7 +44,7 @@ from tests.engines import require
 from tests.harness import LOOPBACK, ROOT, Proc, base_env, free_port, free_port_in, wait_until
 from tests.vllm_engine import ENGINE_CORE, ENGINE_NICE, MAX_MODEL_LEN, MODEL, WORKER, descendants
 
-START_TIMEOUT = 300.0  # 37-75 s alone on 2 cores
+START_TIMEOUT = 300.0  # listed after 42-83 s on 2 cores (the slow one beside other tests)
 MODES = ("aggregated", "prefill", "decode")
 # What dynamo.vllm's own canary sends (BOS 0 for the tiny Llama): one greedy token.
 CANARY_PAYLOAD: dict[str, Any] = {
@@ -61,6 +61,7 @@ CANARY_PAYLOAD: dict[str, Any] = {
 }
 _SERIES = re.compile(r"^(dynamo_component_\w+)\{([^}]*)\}", re.MULTILINE)
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+_RESOURCE_TRACKER = "multiprocessing.resource_tracker"
 
 
 def loopback_env(kv_dir: str | os.PathLike[str]) -> dict[str, str]:
@@ -92,6 +93,13 @@ def endpoint_instances(metrics: str) -> dict[str, set[int]]:
     return found
 
 
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
 def rss_mb(pid: int) -> float | None:
     """Resident memory of a process in MB (VmRSS), or None when it is gone."""
     try:
@@ -110,7 +118,10 @@ class DynamoVllmWorker:
     ``mode`` is "aggregated" (endpoint ``dynamo.backend.generate``), or "prefill" / "decode"
     for a disaggregated worker with NIXL's KV connector on the CPU (prefill registers
     ``dynamo.prefill.generate``). ``health_check`` turns on Dynamo's own in-process canary at
-    its defaults (10 s idle, 3 s timeout): without it the worker's /health stays 503.
+    its defaults (10 s idle, 3 s timeout). Without it its /health was 200 as soon as its
+    endpoints were served (unlike the mocker's, which stays 503), with nothing probing the engine
+    behind it; with it, /health turned 200 about 10 s after the instance was listed (after its
+    first canary) and 503 while its canaries fail.
     """
 
     def __init__(
@@ -162,7 +173,8 @@ class DynamoVllmWorker:
             "VLLM_CPU_OMP_THREADS_BIND": "0",
             # The import-time fixes (and NIXL's calmer progress thread), in every process.
             "PYTHONPATH": os.pathsep.join(p for p in (site, os.environ.get("PYTHONPATH")) if p),
-            "TMPDIR": str(self.workdir),  # Dynamo's Prometheus multiprocess directory, ...
+            # Dynamo's Prometheus multiprocess directory and the like: removed by close().
+            "TMPDIR": str(self.workdir),
         }
         env |= loopback_env(self.kv_dir) | {
             "DYN_SYSTEM_HOST": LOOPBACK,
@@ -240,7 +252,7 @@ class DynamoVllmWorker:
 
     @property
     def endpoint_path(self) -> str:
-        """"NS.COMP.EP" of its generate endpoint, as its metrics name it."""
+        """Its generate endpoint's path, "NS.COMP.EP", as its metrics name it."""
         assert self._instance is not None, "not listed yet: start() first"
         return self._instance[0]
 
@@ -251,11 +263,17 @@ class DynamoVllmWorker:
 
     # --- processes ------------------------------------------------------------------------
     def processes(self) -> dict[int, str]:
-        """The worker and its descendants (``VLLM::EngineCore``, ``VLLM::Worker``): pid -> name."""
+        """The worker and its descendants: pid -> name (``dynamo.vllm``, ``VLLM::EngineCore``,
+        ``VLLM::Worker`` and multiprocessing's ``resource_tracker``, a 15 MB helper that the
+        worker's spawn of EngineCore starts)."""
         assert self.proc is not None
         if not self.running:
             return {}
-        return {self.proc.pid: "dynamo.vllm"} | descendants(self.proc.pid)
+        found = {self.proc.pid: "dynamo.vllm"} | descendants(self.proc.pid)
+        for pid, name in found.items():
+            if name == "python" and _RESOURCE_TRACKER in _cmdline(pid):
+                found[pid] = "resource_tracker"
+        return found
 
     def pid_of(self, title: str, timeout: float = 10) -> int:
         """The pid of the process whose title starts with ``title``."""
@@ -377,7 +395,7 @@ async def _canaries(args: argparse.Namespace) -> None:
             line: dict[str, Any]
             try:
                 await asyncio.wait_for(consume(), args.timeout)
-            except Exception as exc:  # noqa: BLE001 - every failure is a line of output
+            except Exception as exc:  # every failure is a line of output
                 context.stop_generating()
                 line = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "chunks": chunks}
             else:
