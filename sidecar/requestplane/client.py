@@ -21,6 +21,7 @@ It never goes through a frontend or a router: ``direct`` names the instance.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -132,6 +133,11 @@ class RequestPlane:
         client = self._clients.get(path)
         if client is None:
             client = await self._runtime.endpoint(path).client()
+            # Its discovery watch starts empty: let it load what is listed before the first look
+            # (an endpoint with no instance at all waits out the timeout, once).
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.timeout):
+                    await client.wait_for_instances()
             self._clients[path] = client
         return client
 

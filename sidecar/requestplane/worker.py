@@ -122,13 +122,17 @@ class DynamoWorker:
         if instance is not None:
             try:
                 if self.plane.local:
-                    await self.plane.advertise(instance)
+                    if not await self.plane.advertise(instance):
+                        outcome, why = Outcome.ERROR, f"{instance}: not listed from its record"
                 else:
                     listed = await self.plane.listed(instance)
-            except TimeoutError:
+            except Exception as exc:  # the runtime raises plain Exceptions; none may escape
+                detail = "timed out" if isinstance(exc, TimeoutError) else str(exc)
                 if self.plane.local:
                     outcome = Outcome.ERROR
-                    why = f"{instance}: not listed from its own record within the timeout"
+                    why = f"{instance}: the sidecar's own record of it is not listed: {detail}"
+                else:
+                    log.debug("discovery not asked about %s: %s", instance, detail)
         if outcome is Outcome.TIMEOUT:
             # Slow or frozen: the canary, to the instance known so far, finds out.
             instance = self.instance
