@@ -8,6 +8,7 @@ time is ``utime + stime`` from ``/proc/PID/stat``.
 from __future__ import annotations
 
 import os
+import platform
 import re
 import shutil
 import statistics
@@ -271,3 +272,40 @@ def metric_sum(text: str, name: str, **labels: str) -> float:
         if all(found.get(k) == v for k, v in labels.items()):
             total += float(value)
     return total
+
+
+# --- the reports' cells --------------------------------------------------------------------
+def seconds(values: Sequence[float | None], never: str = "never") -> str:
+    """Median (min-max) in seconds; runs where it did not happen count as +infinity."""
+    if not values:
+        return "n/a"
+    ordered = sorted(float("inf") if v is None else v for v in values)
+    middle = statistics.median(ordered)
+
+    def show(value: float) -> str:
+        if value == float("inf"):
+            return never
+        return f"{value:.2f}" if value < 1 else f"{value:.1f}"
+
+    text = f"{show(middle)} s" if middle != float("inf") else never
+    if show(ordered[0]) != show(ordered[-1]):
+        text += f" ({show(ordered[0])}-{show(ordered[-1])})"
+    return text
+
+
+def counts(values: Sequence[int | None]) -> str:
+    known = [v for v in values if v is not None]
+    if not known:
+        return "—"
+    middle = statistics.median(known)
+    text = f"{middle:g}"
+    if min(known) != max(known):
+        text += f" ({min(known)}-{max(known)})"
+    return text
+
+
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.partition(":")[2].strip()
+    return platform.processor() or "unknown"

@@ -23,7 +23,6 @@ import platform
 import random
 import shlex
 import signal
-import statistics
 import subprocess
 import sys
 import time
@@ -34,6 +33,7 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench._shared import counts, cpu_model, seconds
 from bench.baseline import DynamoCanaryLoop, Timeline
 from tests.engines import Dynamo, LlamaServer, engine_paths
 from tests.harness import ROOT, FakeEngine, Sidecar, base_env
@@ -882,35 +882,6 @@ def scenario_list(names: Sequence[str]) -> str:
 
 
 # --- aggregation and the report ------------------------------------------------------------------
-def seconds(values: Sequence[float | None], never: str = "never") -> str:
-    """Median (min-max) in seconds; runs where it did not happen count as +infinity."""
-    if not values:
-        return "n/a"
-    ordered = sorted(float("inf") if v is None else v for v in values)
-    middle = statistics.median(ordered)
-
-    def show(value: float) -> str:
-        if value == float("inf"):
-            return never
-        return f"{value:.2f}" if value < 1 else f"{value:.1f}"
-
-    text = f"{show(middle)} s" if middle != float("inf") else never
-    if show(ordered[0]) != show(ordered[-1]):
-        text += f" ({show(ordered[0])}-{show(ordered[-1])})"
-    return text
-
-
-def counts(values: Sequence[int | None]) -> str:
-    known = [v for v in values if v is not None]
-    if not known:
-        return "—"
-    middle = statistics.median(known)
-    text = f"{middle:g}"
-    if min(known) != max(known):
-        text += f" ({min(known)}-{max(known)})"
-    return text
-
-
 def row(scenario: str, prober: str, runs: Sequence[ProberRun]) -> list[str]:
     fixed = {r.fixed_503 for r in runs}
     down = (
@@ -956,13 +927,6 @@ def facts(all_reps: dict[str, list[Rep]]) -> str:
 
 
 # --- the machine and the versions ----------------------------------------------------------------
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.partition(":")[2].strip()
-    return platform.processor() or "unknown"
-
-
 def command_output(argv: list[str], env: dict[str, str] | None = None) -> str:
     try:
         done = subprocess.run(

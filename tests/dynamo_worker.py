@@ -59,6 +59,29 @@ def dynamo_env(kv_dir: str | Path) -> dict[str, str]:
     }
 
 
+def sidecar_env(
+    system_url: str,
+    kv_dir: str | Path,
+    backend: str = "vllm",
+    mode: str = "aggregated",
+    **extra: str,
+) -> dict[str, str]:
+    """The sidecar as a user starts it beside a Dynamo worker: canaries on, over the request
+    plane, the worker's system server as its engine URL, the worker's file discovery."""
+    return (
+        dynamo_env(kv_dir)
+        | {
+            "SIDECAR_TRANSPORT": "dynamo",
+            "SIDECAR_ENGINE_URL": system_url,
+            "DYN_DISCOVERY_BACKEND": "file",
+            "DYN_HEALTH_CHECK_ENABLED": "true",
+            "SIDECAR_BACKEND": backend,
+            "SIDECAR_DISAGGREGATION_MODE": mode,
+        }
+        | extra
+    )
+
+
 def endpoint_instances(metrics: str, endpoint_path: str) -> list[int]:
     """The instance ids (``worker_id``, hex) that a system server's metrics name for
     ``endpoint_path`` ("ns.comp.ep")."""

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.dynamo_worker import dynamo_env
+from tests.dynamo_worker import sidecar_env
 from tests.engines import MockerWorker
 from tests.harness import Proc, Sidecar, base_env, wait_until
 from tests.netns import isolated  # noqa: F401 (a fixture)
@@ -56,17 +56,7 @@ def mine(kv_dir, other) -> Iterator[MockerWorker]:
 
 
 def env(worker: MockerWorker, **extra: str) -> dict[str, str]:
-    return (
-        dynamo_env(worker.kv_dir)
-        | {
-            "SIDECAR_TRANSPORT": "dynamo",
-            "SIDECAR_ENGINE_URL": worker.system_url,
-            "DYN_DISCOVERY_BACKEND": "file",
-            "DYN_HEALTH_CHECK_ENABLED": "true",
-            "SIDECAR_BACKEND": "vllm",
-        }
-        | extra
-    )
+    return sidecar_env(worker.system_url, worker.kv_dir, **extra)
 
 
 def reason(side: Sidecar) -> str:

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from tests.dynamo_worker import DynamoClient, FakeDynamoWorker, dynamo_env
+from tests.dynamo_worker import DynamoClient, FakeDynamoWorker, sidecar_env
 from tests.harness import ROOT, Sidecar, base_env, wait_until
 from tests.netns import isolated  # noqa: F401 (a fixture)
 from tests.test_e2e_fake import metric
@@ -80,18 +80,7 @@ def no_faults(request) -> Iterator[None]:
 
 
 def dynamo_sidecar_env(worker: FakeDynamoWorker, **extra: str) -> dict[str, str]:
-    return (
-        dynamo_env(worker.kv_dir)
-        | {
-            "SIDECAR_TRANSPORT": "dynamo",
-            "SIDECAR_ENGINE_URL": worker.system_url,
-            "DYN_DISCOVERY_BACKEND": "file",
-            "DYN_HEALTH_CHECK_ENABLED": "true",
-            "SIDECAR_BACKEND": worker.backend,
-            "SIDECAR_DISAGGREGATION_MODE": worker.mode,
-        }
-        | extra
-    )
+    return sidecar_env(worker.system_url, worker.kv_dir, worker.backend, worker.mode, **extra)
 
 
 def canaries(worker: FakeDynamoWorker, since: float = 0.0) -> list[dict[str, Any]]:

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests.dynamo_vllm import DynamoVllmWorker, direct_canaries, dynamo_vllm_worker, median_ms
-from tests.dynamo_worker import dynamo_env
+from tests.dynamo_worker import sidecar_env
 from tests.harness import Sidecar, wait_until
 from tests.netns import isolated  # noqa: F401  (the module's private network namespace)
 from tests.vllm_engine import ENGINE_CORE, WORKER, pause, resume
@@ -38,13 +38,7 @@ def worker(isolated: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator
 
 
 def env(worker: DynamoVllmWorker) -> dict[str, str]:
-    return dynamo_env(worker.kv_dir) | {
-        "SIDECAR_TRANSPORT": "dynamo",
-        "SIDECAR_ENGINE_URL": worker.system_url,
-        "DYN_DISCOVERY_BACKEND": "file",
-        "DYN_HEALTH_CHECK_ENABLED": "true",
-        "SIDECAR_BACKEND": "vllm",
-    }
+    return sidecar_env(worker.system_url, worker.kv_dir)
 
 
 def race(side: Sidecar, worker: DynamoVllmWorker, code: int, timeout: float) -> dict[str, float]:

@@ -180,7 +180,16 @@ class Disconnected(Exception):
         (CannotConnect("TCP connection to 127.0.0.1:4 failed"), Outcome.REFUSED, False, "cannot connect"),  # noqa: E501
         (Exception("Unavailable: TCP connection to 127.0.0.1:4 failed"), Outcome.REFUSED, False, "cannot connect"),  # noqa: E501
         (Exception("DeadlineExceeded: TCP request to 127.0.0.1:4 timed out"), Outcome.TIMEOUT, False, "the runtime's"),  # noqa: E501
-        (Disconnected("connection reset"), Outcome.ERROR, False, "the stream broke mid-answer"),
+        (Disconnected("connection reset"), Outcome.ERROR, False, "the stream broke"),
+        (
+            Exception("Unavailable: Worker disconnected before response stream was established"),
+            Outcome.ERROR, False, "the stream broke: Unavailable: Worker disconnected",
+        ),
+        (
+            ValueError("Internal: RuntimeError: bootstrap_info is required for disaggregated decode"),  # noqa: E501
+            Outcome.ERROR, True, "worker error: RuntimeError: bootstrap_info is required",
+        ),
+        (RuntimeError("something new"), Outcome.ERROR, True, "worker error: something new"),
         (
             ValueError("InvalidRequest: ValueError: Disaggregated params are required for decode mode"),  # noqa: E501
             Outcome.ERROR, True,

@@ -52,27 +52,34 @@ def classify(exc: BaseException) -> tuple[Outcome, str, bool]:
     """(outcome, reason, the worker itself refused) for an exception of the runtime client, as
     measured on ai-dynamo-runtime 1.6.1:
 
+    - ``InvalidRequest: <type>: <message>`` and ``Internal: <type>: <message>`` (both raised as
+      ValueError: the handler raised a ValueError, or anything else): the worker's handler
+      refused the request (TensorRT-LLM decode's "Disaggregated params are required for decode
+      mode", SGLang decode's "bootstrap_info is required ...");
     - ``Unavailable: instance_id=... not found for endpoint ...``: not in the client's discovery;
     - ``CannotConnect`` / "TCP connection to ... failed": nothing listens (a killed worker);
     - ``DeadlineExceeded`` / ``ConnectionTimeout``: the runtime's own request timeout;
-    - ``Disconnected`` / ``StreamIncomplete``: the stream broke mid-answer;
-    - ``InvalidRequest: <type>: <message>`` and ``Internal: <type>: <message>`` (both raised as
-      ValueError: the handler raised a ValueError, or anything else) and any other error: the
-      worker's handler refused the request (TensorRT-LLM decode's "Disaggregated params are
-      required for decode mode", SGLang decode's "bootstrap_info is required ...")."""
+    - ``Disconnected``, ``StreamIncomplete``, ``EngineShutdown`` and any other ``Unavailable``
+      ("Worker disconnected before response stream was established"): the exchange broke;
+    - anything else: counted as the worker's refusal (a failure that fails liveness only once
+      the canary passed in this incarnation: an unknown error from the start is no crash loop)."""
     text = _text(exc)
     kind = type(exc).__name__
     lowered = text.lower()
+    if text.startswith(("InvalidRequest: ", "Internal: ")):
+        said = text.removeprefix("InvalidRequest: ").removeprefix("Internal: ")
+        return Outcome.ERROR, f"worker error: {said}", True
     if text.startswith("Unavailable:") and "not found" in lowered:
         return Outcome.REFUSED, f"not in discovery: {text}", False
     if kind == "CannotConnect" or ("connection" in lowered and "failed" in lowered):
         return Outcome.REFUSED, f"cannot connect: {text}", False
     if kind == "ConnectionTimeout" or text.startswith("DeadlineExceeded"):
         return Outcome.TIMEOUT, f"the runtime's request timeout: {text}", False
-    if kind in ("Disconnected", "StreamIncomplete", "EngineShutdown"):
-        return Outcome.ERROR, f"the stream broke mid-answer: {text}", False
-    said = text.removeprefix("InvalidRequest: ").removeprefix("Internal: ")
-    return Outcome.ERROR, f"worker error: {said}", True
+    if kind in ("Disconnected", "StreamIncomplete", "EngineShutdown") or text.startswith(
+        "Unavailable:"
+    ):
+        return Outcome.ERROR, f"the stream broke: {text}", False
+    return Outcome.ERROR, f"worker error: {text}", True
 
 
 def url_safe(key: str) -> str:
