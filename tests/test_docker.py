@@ -257,6 +257,51 @@ def test_image_is_non_root_with_the_sidecar_as_entrypoint(docker: Docker, image:
     assert size_mb < 400, size_mb
 
 
+DYNAMO_IMAGE = "local/health-sidecar:test-dynamo"
+DYNAMO_ENV = {
+    "SIDECAR_TRANSPORT": "dynamo",
+    "DYN_DISCOVERY_BACKEND": "kubernetes",
+    "DYN_HEALTH_CHECK_ENABLED": "true",
+}
+
+
+def check_config(docker: Docker, image: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    flags = [arg for key, value in env.items() for arg in ("-e", f"{key}={value}")]
+    return docker("run", "--rm", "--network", "host", *flags, image, "--check-config", check=False)
+
+
+def test_the_image_with_the_dynamo_extra_has_the_runtime_and_without_it_says_so(
+    docker: Docker, image: str
+):
+    """--build-arg EXTRAS=dynamo adds Dynamo's runtime client; the plain image refuses the
+    transport with one line, at start, instead of failing later."""
+    seconds = docker.build(
+        "--build-arg", f"BASE={docker.base}", "--build-arg", "EXTRAS=dynamo",
+        "-t", DYNAMO_IMAGE, ".",
+    )  # fmt: skip
+    try:
+        plain = check_config(docker, image, DYNAMO_ENV)
+        assert plain.returncode == 2, plain.stdout + plain.stderr
+        lines = plain.stderr.strip().splitlines()
+        assert len(lines) == 1, plain.stderr
+        assert "SIDECAR_TRANSPORT=dynamo: expected Dynamo's runtime client installed" in lines[0]
+        extra = check_config(docker, DYNAMO_IMAGE, DYNAMO_ENV)
+        assert extra.returncode == 0, extra.stderr
+        assert "over the request plane, direct to the instance of generate" in extra.stdout
+        loads = docker(
+            "run", "--rm", "--network", "host", "--entrypoint", "python", DYNAMO_IMAGE, "-c",
+            "import dynamo.runtime, importlib.metadata as m; print(m.version('ai-dynamo-runtime'))",
+        )  # fmt: skip
+        assert loads.stdout.strip() == "1.6.1"
+        sizes = [docker.inspect(name)["Size"] / 1e6 for name in (image, DYNAMO_IMAGE)]
+        print(
+            f"IMAGE with EXTRAS=dynamo built in {seconds:.1f} s: "
+            f"{sizes[0]:.0f} -> {sizes[1]:.0f} MB"
+        )
+    finally:
+        docker("rmi", "-f", DYNAMO_IMAGE, check=False)
+
+
 def test_read_only_without_capabilities_serves_and_a_hang_turns_it_503(
     docker: Docker, sidecar, fake: FakeEngine
 ):
