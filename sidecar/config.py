@@ -412,9 +412,9 @@ class Settings(BaseSettings):
         1,
         "Data-parallel ranks of the engine (vLLM --data-parallel-size, SGLang --dp-size): each "
         "gets its own canary pinned to it (vLLM's X-data-parallel-rank header, SGLang's "
-        "data_parallel_rank field), its own progress (vLLM's engine label) and its own line in "
-        "/health. auto: counted from the engine's metrics (the engine labels of vLLM's in-flight "
-        "gauge); until then one unpinned canary.",
+        "data_parallel_rank field), its own progress (vLLM's engine label, SGLang's dp_rank) and "
+        "its own line in /health. auto: counted from the ranks the engine's in-flight gauges name "
+        "(the same labels); until then one unpinned canary.",
         "an integer from 1 to 1024, or auto",
     )
     dp_min_ready_ranks: int | None = _env(
@@ -710,11 +710,6 @@ def _cross_checks(s: Settings) -> list[str]:
             f"{env_name('use_endpoint_health_status')}="
             f"{_shown('use_endpoint_health_status', list(s.use_endpoint_health_status))}: "
             f"expected {KV_TRANSFER!r} listed only with {env_name('kv_peer_url')} set"
-        )
-    if s.dp_ranks == "auto" and s.backend is Backend.SGLANG:
-        lines.append(
-            f"{env_name('dp_ranks')}=auto: expected a number (SGLang's metrics do not tell "
-            "ranks apart, so they cannot be counted)"
         )
     if (
         s.dp_min_ready_ranks is not None

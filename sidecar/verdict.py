@@ -102,6 +102,18 @@ def engine_undersells(ep: EndpointState) -> bool:
 DISAGREES = "; the engine's own health route still answers 200"
 
 
+def _disagreement(ep: EndpointState) -> str:
+    """What says 200 about an engine the canary finds hung: its own health route (vLLM's
+    /health, a Dynamo worker's), or the cheap route that registers it (SGLang's /v1/models:
+    its /health runs a generation, and says 503 only after 20 s)."""
+    if not engine_disagrees(ep):
+        return ""
+    last = ep.registration.last
+    if ep.engine_health.asked or last is None or last.reason.startswith("GET /health "):
+        return DISAGREES
+    return f"; the engine still answers its registration check ({last.reason})"
+
+
 def _progress_note(ep: EndpointState, policy: Policy, now: float) -> str:
     progress = ep.progress
     if not parked(ep, policy, now):
@@ -139,7 +151,7 @@ def endpoint_verdict(ep: EndpointState, policy: Policy, now: float) -> Verdict:
         if engine_undersells(ep):
             own = f"; the worker's own health route says {ep.engine_health.detail}"
         return Verdict(True, canary.reason + _progress_note(ep, policy, now) + own + peers)
-    return Verdict(False, canary.reason + (DISAGREES if engine_disagrees(ep) else "") + peers)
+    return Verdict(False, canary.reason + _disagreement(ep) + peers)
 
 
 def rank_verdict(units: Mapping[str, Verdict], need: int | None) -> Verdict:

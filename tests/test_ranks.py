@@ -84,8 +84,41 @@ def test_ranks_are_counted_from_the_in_flight_gauges():
     assert ranks_in(VLLM_DP, gauges, "engine") == (0, 1)
     single = 'vllm:num_requests_running{engine="0",model_name="tiny"} 0.0\n'
     assert ranks_in(single, gauges, "engine") == (0,)
-    assert ranks_in("vllm:num_requests_running 0.0\n", gauges, "engine") == ()
+    # The gauges without the label: one rank (SGLang with one rank labels no series dp_rank).
+    assert ranks_in("vllm:num_requests_running 0.0\n", gauges, "engine") == (0,)
+    assert ranks_in("vllm:other_gauge 0.0\n", gauges, "engine") == ()
     assert ranks_in("not an exposition {", gauges, "engine") == ()
+
+
+# A real SGLang 0.5.23 with --dp-size 2, cut to the series read: the schedulers' series carry
+# dp_rank, the tokenizer manager's counters do not.
+SGLANG_DP = """\
+# TYPE sglang:num_running_reqs gauge
+sglang:num_running_reqs{dp_rank="0",engine_type="unified",model_name="tiny",moe_ep_rank="0",pp_rank="0",tp_rank="0"} 2.0
+sglang:num_running_reqs{dp_rank="1",engine_type="unified",model_name="tiny",moe_ep_rank="0",pp_rank="0",tp_rank="0"} 0.0
+# TYPE sglang:num_queue_reqs gauge
+sglang:num_queue_reqs{dp_rank="0",engine_type="unified",model_name="tiny",moe_ep_rank="0",pp_rank="0",tp_rank="0"} 1.0
+sglang:num_queue_reqs{dp_rank="1",engine_type="unified",model_name="tiny",moe_ep_rank="0",pp_rank="0",tp_rank="0"} 0.0
+# TYPE sglang:realtime_tokens counter
+sglang:realtime_tokens_total{dp_rank="0",engine_type="unified",mode="prefill_compute",model_name="tiny",moe_ep_rank="0",pp_rank="0",tp_rank="0"} 80.0
+sglang:realtime_tokens_total{dp_rank="0",engine_type="unified",mode="decode",model_name="tiny",moe_ep_rank="0",pp_rank="0",tp_rank="0"} 400.0
+sglang:realtime_tokens_total{dp_rank="1",engine_type="unified",mode="prefill_compute",model_name="tiny",moe_ep_rank="0",pp_rank="0",tp_rank="0"} 16.0
+# TYPE sglang:prompt_tokens counter
+sglang:prompt_tokens_total{engine_type="unified",is_streaming="false",model_name="tiny"} 96.0
+"""  # noqa: E501
+
+
+def test_sglang_ranks_are_counted_and_read_from_the_schedulers_series():
+    plan = plan_canary(settings(SIDECAR_BACKEND="sglang"))
+    spec = plan.progress_spec()
+    assert ranks_in(SGLANG_DP, (*spec.running, *spec.waiting), "dp_rank") == (0, 1)
+    zero = read_progress(SGLANG_DP, plan.for_rank(0).progress_spec(), 1.0, 1.0)
+    assert zero.in_flight == 3.0
+    assert zero.counters == {"steps": 480.0}  # the tokenizer's counters name no rank
+    one = read_progress(SGLANG_DP, plan.for_rank(1).progress_spec(), 1.0, 1.0)
+    assert (one.in_flight, one.counters) == (0.0, {"steps": 16.0})
+    every = read_progress(SGLANG_DP, spec, 1.0, 1.0)  # unpinned: every rank, and the tokenizer's
+    assert every.counters == {"steps": 496.0, "prompt": 96.0}
 
 
 @pytest.mark.parametrize(
@@ -93,10 +126,6 @@ def test_ranks_are_counted_from_the_in_flight_gauges():
     [
         ({"SIDECAR_BACKEND": "trtllm", "SIDECAR_DP_RANKS": "2"}, "SIDECAR_DP_RANKS=2: expected 1"),
         ({"SIDECAR_BACKEND": "openai", "SIDECAR_DP_RANKS": "auto"}, "SIDECAR_DP_RANKS=auto"),
-        (
-            {"SIDECAR_BACKEND": "sglang", "SIDECAR_DP_RANKS": "auto"},
-            "SIDECAR_DP_RANKS=auto: expected a number",
-        ),
         (
             {"SIDECAR_DP_RANKS": "2", "SIDECAR_DP_MIN_READY_RANKS": "3"},
             "SIDECAR_DP_MIN_READY_RANKS=3: expected",

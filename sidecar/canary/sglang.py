@@ -1,7 +1,10 @@
 """SGLang: POST /generate with input_ids; prefill and decode add fake-transfer bootstrap fields.
 
-An SGLang prefill or decode server rejects a request without a bootstrap room ("Disaggregated
-request received without bootstrap room id", HTTP 400). ``bootstrap_host`` "2.2.2.2" is SGLang's
+A real SGLang 0.5.23 decode server given a request without ``bootstrap_host`` crashes its
+scheduler ("'NoneType' object has no attribute 'startswith'") and the whole server exits: a
+plain canary does not fail there, it kills the worker. An SGLang prefill or decode server
+rejects a request without a bootstrap room ("Disaggregated request received without bootstrap
+room id", HTTP 400). ``bootstrap_host`` "2.2.2.2" is SGLang's
 FAKE_BOOTSTRAP_HOST: the request runs with a fake KV sender/receiver, needs no peer and never
 touches the bootstrap server. The room is fresh per canary, so probes spread over DP ranks.
 Decode asks for 2 tokens: its first token comes from a prebuilt batch that runs no forward pass.
@@ -14,7 +17,15 @@ from typing import Any, ClassVar
 
 from sidecar.canary.base import PROMPT_TOKEN_IDS, Prober, Role
 from sidecar.config import Backend, Mode
-from sidecar.evidence.progress import GENERATION, PROMPT, ProgressSpec, series
+from sidecar.evidence.progress import (
+    COMPLETED,
+    GENERATION,
+    PROMPT,
+    STEPS,
+    CanaryCost,
+    ProgressSpec,
+    series,
+)
 
 FAKE_BOOTSTRAP_HOST = "2.2.2.2"
 
@@ -31,16 +42,25 @@ class SglangProber(Prober):
     # tokenizer manager once the model is loaded, at no cost to the scheduler.
     registration_path: ClassVar[str] = "/v1/models"
     needs_model: ClassVar[bool] = False
-    # GenerateReqInput.data_parallel_rank routes a request to one DP rank. No per-rank label of
-    # SGLang's metrics was measured here: ranks get their own canary, not their own progress.
+    # GenerateReqInput.data_parallel_rank routes a request to one DP rank (400 out of range).
     rank_field: ClassVar[str | None] = "data_parallel_rank"
+    # Measured on a real SGLang 0.5.23 (docs/engines.md): with --dp-size N every scheduler-side
+    # series carries dp_rank (with one rank, none does); the tokenizer manager's counters never do.
+    rank_label: ClassVar[str | None] = "dp_rank"
+    # --enable-metrics; gzipped only when asked. The tokenizer manager's counters move when a
+    # request completes (in bursts under load, engine-wide); the schedulers' move with every
+    # batch, per rank: realtime_tokens_total (tokens computed, prefill and decode) and
+    # cuda_graph_passes_total (batches run, graph or not). Their idle and stage seconds advance
+    # while idle, so they prove nothing. Scoped to one rank, only the schedulers' remain.
     progress: ProgressSpec = ProgressSpec(
-        path="/metrics",  # needs --enable-metrics; served gzip-compressed when the client allows
+        path="/metrics",
         running=series("sglang:num_running_reqs"),
         waiting=series("sglang:num_queue_reqs"),
         counters={
             PROMPT: series("sglang:prompt_tokens_total"),
             GENERATION: series("sglang:generation_tokens_total"),
+            STEPS: series("sglang:realtime_tokens_total", "sglang:cuda_graph_passes_total"),
+            COMPLETED: series("sglang:num_requests_total"),
         },
     )
 
@@ -68,6 +88,13 @@ class SglangProber(Prober):
             body["bootstrap_port"] = self.bootstrap_port
             body["bootstrap_room"] = bootstrap_room(request_id)
         return body, tokens
+
+    def cost(self, expected_tokens: int) -> CanaryCost:
+        """The schedulers count a canary's prompt in realtime_tokens_total (computed, or read from
+        the prefix cache) beside its decode steps, and one pass per batch."""
+        cost = super().cost(expected_tokens)
+        steps = self.prompt_budget + 2 * (expected_tokens + 1)
+        return CanaryCost({**cost.budgets, STEPS: steps, COMPLETED: 1})
 
     def answer(self, parsed: Any, role: Role) -> str | None:
         # A decode canary's fake transfer brings no KV: what it generates is not reproducible.

@@ -166,13 +166,17 @@ def read_progress(
 
 def ranks_in(text: str, gauges: tuple[Series, ...], label: str) -> tuple[int, ...]:
     """The data-parallel ranks an exposition shows: the values of ``label`` on the ``gauges``
-    (vLLM: engine="0", engine="1", ... on its in-flight gauges); () when none."""
+    (vLLM: engine="0", engine="1", ... on its in-flight gauges; SGLang: dp_rank="0", ...); () when
+    it has none of the gauges; (0,) when they carry no such label (SGLang with one rank labels
+    none of its series dp_rank)."""
     try:
         samples = matching(text, gauges)
     except MetricsUnreadable:
         return ()
+    if not samples:
+        return ()
     values = {sample.labels.get(label, "") for _, sample in samples}
-    return tuple(sorted(int(v) for v in values if v.isdigit()))
+    return tuple(sorted(int(v) for v in values if v.isdigit())) or (0,)
 
 
 def unusable(sample: ProgressSample, spec: ProgressSpec) -> str | None:
