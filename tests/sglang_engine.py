@@ -50,8 +50,8 @@ from typing import Any
 import httpx
 
 from tests.engines import require
-from tests.harness import LOOPBACK, Proc, base_env, free_port, wait_until
-from tests.vllm_engine import samples
+from tests.harness import LOOPBACK, Proc, Sidecar, base_env, free_port, wait_until
+from tests.vllm_engine import samples, total
 
 MODEL = "tiny"
 MODES = ("aggregated", "prefill", "decode")
@@ -363,3 +363,24 @@ def sglang_server(
         yield server
     finally:
         server.close()
+
+
+# --- the sidecar beside it ------------------------------------------------------------------
+def sglang_env(server: SglangServer, mode: str = "aggregated", **extra: str) -> dict[str, str]:
+    """The sidecar as a user starts it beside this server, canaries on, in ``mode``."""
+    return {
+        "DYN_HEALTH_CHECK_ENABLED": "true",
+        "SIDECAR_BACKEND": "sglang",
+        "SIDECAR_DISAGGREGATION_MODE": mode,
+        "SIDECAR_ENGINE_URL": server.url,
+    } | extra
+
+
+def sidecar_metric(side: Sidecar, name: str, **labels: str) -> float:
+    """The sum of a sidecar's samples called ``name`` with these labels."""
+    return total(samples(side.http.get(f"{side.url}/metrics", timeout=5).text), name, **labels)
+
+
+def check(side: Sidecar, unit: str = "generate") -> dict[str, Any]:
+    """One unit's entry of the sidecar's /health ``checks``."""
+    return side.http.get(f"{side.url}/health", timeout=5).json()["checks"][unit]

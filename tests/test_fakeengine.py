@@ -375,11 +375,60 @@ def test_vllm_loading_refuses_connections(launch: Callable[..., Engine]) -> None
 
 # ---------------------------------------------------------------------------------- SGLang
 
+SGLANG_RANK_LABELS = {"model_name", "engine_type", "tp_rank", "pp_rank", "moe_ep_rank", "dp_rank"}
+SGLANG_REQUEST_LABELS = {"model_name", "engine_type", "is_streaming"}
+SGLANG_REQUEST_COUNTERS = (
+    "sglang:prompt_tokens_total",
+    "sglang:generation_tokens_total",
+    "sglang:num_requests_total",
+)
+SGLANG_DECODE_CRASH = "AttributeError: 'NoneType' object has no attribute 'startswith'"
+#: --health-check-timeout for tests that make SGLang's /health give up.
+HEALTH_TIMEOUT = 0.5
+
+
+def sglang_series(text: str) -> list[tuple[str, dict[str, str], float]]:
+    return [
+        (s.name, s.labels, s.value)
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name.startswith("sglang:")
+    ]
+
+
+def sglang_rank(engine: Engine, rank: int = 0) -> dict[str, float]:
+    """One rank's scheduler series, as its dp_rank="<rank>" series say."""
+    text = engine.get("/metrics").text
+    r = str(rank)
+    return {
+        "running": sample(text, "sglang:num_running_reqs", dp_rank=r),
+        "queue": sample(text, "sglang:num_queue_reqs", dp_rank=r),
+        "prefill": sample(text, "sglang:realtime_tokens_total", dp_rank=r, mode="prefill_compute"),
+        "decode": sample(text, "sglang:realtime_tokens_total", dp_rank=r, mode="decode"),
+        "input": sample(text, "sglang:prefill_effective_tokens_total", dp_rank=r, mode="input"),
+        "idle": sample(text, "sglang:scheduler_idle_seconds_total", dp_rank=r),
+    }
+
+
+def sglang_requests(engine: Engine, *, streaming: bool = False) -> dict[str, float]:
+    """The tokenizer manager's engine-wide counters (one series per is_streaming value)."""
+    text = engine.get("/metrics").text
+    flag = "true" if streaming else "false"
+    return {name: sample(text, name, is_streaming=flag) for name in SGLANG_REQUEST_COUNTERS}
+
+
+def timed_get(engine: Engine, path: str, timeout: float = 5.0) -> tuple[httpx.Response, float]:
+    start = time.monotonic()
+    response = engine.get(path, timeout=timeout)
+    return response, time.monotonic() - start
+
 
 def test_sglang_happy_path(launch: Callable[..., Engine]) -> None:
     engine = launch("--backend", "sglang")
-    assert engine.get("/health").status_code == 200
-    assert engine.get("/health_generate").status_code == 200
+    for path in ("/health", "/health_generate"):
+        health = engine.get(path)
+        assert health.status_code == 200
+        assert health.content == b""
     assert engine.get("/model_info").json() == {
         "model_path": "tiny",
         "tokenizer_path": "tiny",
@@ -395,17 +444,225 @@ def test_sglang_happy_path(launch: Callable[..., Engine]) -> None:
         "prompt_tokens": 8,
         "completion_tokens": 3,
         "cached_tokens": 0,
+        "dp_rank": 0,
     }
-    text = engine.get("/metrics").text
-    assert metric_value(text, "sglang:generation_tokens_total") == 3
-    assert metric_value(text, "sglang:prompt_tokens_total") == 8
-    assert metric_value(text, "sglang:num_running_reqs") == 0
-    assert metric_value(text, "sglang:num_queue_reqs") == 0
+    # The request counters count the request, not the two health generations (log_metrics
+    # off); the scheduler computed all three: 8 + 1 + 1 prompt tokens, 2 decode steps.
+    assert sglang_requests(engine) == {
+        "sglang:prompt_tokens_total": 8,
+        "sglang:generation_tokens_total": 3,
+        "sglang:num_requests_total": 1,
+    }
+    rank = sglang_rank(engine)
+    assert (rank["prefill"], rank["input"], rank["decode"]) == (10, 10, 2)
+    assert (rank["running"], rank["queue"]) == (0, 0)
+
+
+def test_sglang_series_and_labels(launch: Callable[..., Engine]) -> None:
+    """The scheduler's series once per rank with its rank labels; the request counters
+    engine-wide, without a rank."""
+    engine = launch("--backend", "sglang", "--dp-size", "2")
+    response = engine.get("/metrics", timeout=5.0)
+    assert response.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
+    series = sglang_series(response.text)
+    per_rank = {
+        "sglang:num_running_reqs",
+        "sglang:num_queue_reqs",
+        "sglang:num_prefill_bootstrap_queue_reqs",
+        "sglang:num_prefill_inflight_queue_reqs",
+        "sglang:num_decode_prealloc_queue_reqs",
+        "sglang:num_decode_transfer_queue_reqs",
+        "sglang:realtime_tokens_total",
+        "sglang:prefill_effective_tokens_total",
+        "sglang:scheduler_idle_seconds_total",
+    }
+    assert {name for name, _, _ in series} == per_rank | set(SGLANG_REQUEST_COUNTERS)
+    families = family_types(response.text)
+    assert families["sglang:num_running_reqs"] == "gauge"
+    assert families["sglang:realtime_tokens"] == "counter"
+    assert families["sglang:prompt_tokens"] == "counter"
+    modes = {
+        "sglang:realtime_tokens_total": {"prefill_compute", "decode"},
+        "sglang:prefill_effective_tokens_total": {"input", "device_hit", "host_hit", "storage_hit"},
+    }
+    for name, labels, value in series:
+        if name in per_rank:
+            extra = {"mode"} if name in modes else set()
+            assert set(labels) == SGLANG_RANK_LABELS | extra, (name, labels)
+            assert labels["engine_type"] == "unified"
+            assert (labels["tp_rank"], labels["pp_rank"], labels["moe_ep_rank"]) == ("0", "0", "0")
+        else:
+            assert set(labels) == SGLANG_REQUEST_LABELS, (name, labels)
+            assert labels["is_streaming"] == "false"  # no streamed request has finished yet
+            assert value == 0
+    for name in per_rank:
+        ranks = {labels["dp_rank"] for n, labels, _ in series if n == name}
+        assert ranks == {"0", "1"}, name
+        for mode in modes.get(name, {None}):
+            for rank in ("0", "1"):
+                found = [
+                    s for s in series if s[0] == name and s[1]["dp_rank"] == rank
+                    and s[1].get("mode") == mode
+                ]  # fmt: skip
+                assert len(found) == 1, (name, rank, mode)
+    # One rank: dp_rank="0" alone.
+    single = launch("--backend", "sglang", "--mode", "prefill")
+    for name, labels, _ in sglang_series(single.get("/metrics").text):
+        if name in per_rank:
+            assert (labels["dp_rank"], labels["engine_type"]) == ("0", "prefill")
+        else:
+            assert labels["engine_type"] == "prefill"
+
+
+def test_sglang_counters_of_a_rank_move_with_its_work_and_requests_count_at_the_end(
+    launch: Callable[..., Engine],
+) -> None:
+    engine = launch("--backend", "sglang", "--dp-size", "2")
+    before = [sglang_rank(engine, rank) for rank in (0, 1)]
+    body = engine.post("/generate", sglang_generate(max_new_tokens=4, data_parallel_rank=1))
+    assert body.status_code == 200
+    assert body.json()["meta_info"]["dp_rank"] == 1
+    after = [sglang_rank(engine, rank) for rank in (0, 1)]
+    # Rank 1 computed the 8-token prompt and 3 decode steps (its first token came with the
+    # prefill); rank 0 only idled.
+    assert after[1]["prefill"] - before[1]["prefill"] == 8
+    assert after[1]["input"] - before[1]["input"] == 8
+    assert after[1]["decode"] - before[1]["decode"] == 3
+    assert {k: v for k, v in after[0].items() if k != "idle"} == {
+        k: v for k, v in before[0].items() if k != "idle"
+    }
+    assert after[0]["idle"] > before[0]["idle"]
+    assert sglang_requests(engine) == {
+        "sglang:prompt_tokens_total": 8,
+        "sglang:generation_tokens_total": 4,
+        "sglang:num_requests_total": 1,
+    }
+
+    # A long request: its rank's token counter moves at each step and its idle time stands
+    # still; the request counters move only when it finishes.
+    engine.fault(latency=1.0)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        running = pool.submit(
+            engine.post, "/generate", sglang_generate(max_new_tokens=10, data_parallel_rank=0)
+        )
+        wait_for(lambda: sglang_rank(engine, 0)["decode"] >= 2, timeout=3)
+        busy = sglang_rank(engine, 0)
+        idle_1 = sglang_rank(engine, 1)["idle"]
+        assert busy["running"] == 1
+        assert sglang_requests(engine)["sglang:generation_tokens_total"] == 4
+        time.sleep(0.15)
+        assert sglang_rank(engine, 0)["idle"] == busy["idle"]
+        assert sglang_rank(engine, 1)["idle"] > idle_1
+        assert running.result(timeout=5).status_code == 200
+    engine.fault(latency=0)
+    done = sglang_rank(engine, 0)
+    assert done["decode"] - before[0]["decode"] == 9
+    assert done["running"] == 0
+    assert sglang_requests(engine) == {
+        "sglang:prompt_tokens_total": 16,
+        "sglang:generation_tokens_total": 14,
+        "sglang:num_requests_total": 2,
+    }
+    # A streamed request finishes into the is_streaming="true" series, which then appears.
+    streamed = engine.post("/generate", sglang_generate(max_new_tokens=2, stream=True))
+    assert streamed.text.endswith("data: [DONE]\n\n")
+    assert sglang_requests(engine, streaming=True) == {
+        "sglang:prompt_tokens_total": 8,
+        "sglang:generation_tokens_total": 2,
+        "sglang:num_requests_total": 1,
+    }
+    assert sglang_requests(engine)["sglang:num_requests_total"] == 2
+
+
+def test_sglang_metrics_are_gzipped_only_on_request(launch: Callable[..., Engine]) -> None:
+    engine = launch("--backend", "sglang")
+    for encoding, gzipped in (
+        ("identity", False),
+        ("deflate, br", False),
+        ("gzip", True),
+        ("br, GZip;q=0.5", True),
+    ):
+        response = httpx.get(
+            engine.url + "/metrics", headers={"Accept-Encoding": encoding}, timeout=5.0
+        )
+        assert response.status_code == 200
+        assert response.headers.get("content-encoding") == ("gzip" if gzipped else None), encoding
+        assert response.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
+        assert sample(response.text, "sglang:num_running_reqs", dp_rank="0") == 0
+    # Without an Accept-Encoding header at all: identity.
+    with socket.create_connection((HOST, engine.port), timeout=5) as conn:
+        conn.sendall(b"GET /metrics HTTP/1.1\r\nHost: fake\r\nConnection: close\r\n\r\n")
+        raw = b""
+        while chunk := conn.recv(65536):
+            raw += chunk
+    head, _, payload = raw.partition(b"\r\n\r\n")
+    assert b"content-encoding" not in head.lower()
+    assert b"sglang:num_running_reqs" in payload
+
+
+def test_sglang_health_runs_a_generation(launch: Callable[..., Engine]) -> None:
+    engine = launch("--backend", "sglang", "--health-check-timeout", str(HEALTH_TIMEOUT))
+    # It takes the engine's latency.
+    engine.fault(latency=0.3)
+    health, elapsed = timed_get(engine, "/health")
+    assert health.status_code == 200
+    assert elapsed >= 0.25
+    engine.fault(latency=0)
+
+    # Generation hangs: so does /health, until its timeout, then 503 (both routes); the cheap
+    # route and the metrics answer at once.
+    engine.fault(hang_generation=True)
+    for path in ("/health", "/health_generate"):
+        health, elapsed = timed_get(engine, path)
+        assert health.status_code == 503
+        assert health.content == b""
+        assert HEALTH_TIMEOUT - 0.05 <= elapsed < HEALTH_TIMEOUT + 2
+    models, elapsed = timed_get(engine, "/v1/models")
+    assert models.status_code == 200
+    assert elapsed < HEALTH_TIMEOUT
+    # The checks' generations still wait in the engine (running), not counted as requests.
+    assert sglang_rank(engine)["running"] == 2
+    assert sglang_requests(engine)["sglang:num_requests_total"] == 0
+    assert "Health check failed. Server couldn't get a response" in engine.log.read_text()
+
+    # Released: the held generations finish, and /health passes again.
+    engine.fault(hang_generation=False)
+    wait_for(lambda: sglang_rank(engine)["running"] == 0)
+    assert engine.get("/health").status_code == 200
+    assert sglang_rank(engine)["prefill"] == 4  # four health generations of one token each
+    assert sglang_requests(engine)["sglang:num_requests_total"] == 0
+
+
+def test_sglang_health_passes_on_any_output_and_fails_on_a_wedged_rank(
+    launch: Callable[..., Engine],
+) -> None:
+    """SGLang's check waits for any output of the engine since it started: the health
+    generation is balanced over the ranks like any request, and on a wedged rank it passes only
+    while another rank produces tokens."""
+    engine = launch(
+        "--backend", "sglang", "--dp-size", "2", "--health-check-timeout", str(HEALTH_TIMEOUT)
+    )
+    engine.fault(hang_ranks=[1])
+    assert engine.get("/health").status_code == 200  # rank 0
+    assert engine.get("/health").status_code == 503  # rank 1, nothing else runs
+    assert engine.get("/health").status_code == 200  # rank 0
+    engine.fault(latency=1.0)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        slow = pool.submit(
+            engine.post, "/generate", sglang_generate(max_new_tokens=10, data_parallel_rank=0)
+        )
+        wait_for(lambda: rank_state(engine, 0)["running"] == 1)
+        assert engine.get("/health").status_code == 200  # rank 1 again, but rank 0 produces
+        assert slow.result(timeout=5).status_code == 200
+    assert [rank["routed"] for rank in engine.state()["ranks"]] == [3, 2]
+    assert rank_state(engine, 1)["in_flight"] == 2  # the two health generations held there
+    engine.fault(hang_ranks=[], latency=0)
+    wait_for(lambda: rank_state(engine, 1)["in_flight"] == 0)
 
 
 def test_sglang_decode_bootstrap_rules(launch: Callable[..., Engine]) -> None:
     decode = launch("--backend", "sglang", "--mode", "decode")
-    roomless = decode.post("/generate", sglang_generate(rid="canary-42"))
+    roomless = decode.post("/generate", sglang_generate(rid="canary-42", bootstrap_host="2.2.2.2"))
     assert roomless.status_code == 400
     assert roomless.json() == {
         "error": {
@@ -417,12 +674,100 @@ def test_sglang_decode_bootstrap_rules(launch: Callable[..., Engine]) -> None:
     ok = decode.post("/generate", fake)
     assert ok.status_code == 200
     assert ok.json()["meta_info"]["completion_tokens"] == 2
+    # A decode server computes no prefill (the KV comes from its peer, or the fake transfer);
+    # its first token runs no forward pass.
+    rank = sglang_rank(decode)
+    assert (rank["prefill"], rank["input"], rank["decode"]) == (0, 0, 1)
+    assert 'engine_type="decode"' in decode.get("/metrics").text
 
+    # A real peer named on one side only: the request waits in the transfer queue for KV that
+    # never comes (not in the waiting queue), until its client leaves.
     real_peer = sglang_generate(bootstrap_host="10.0.0.9", bootstrap_port=8998, bootstrap_room=7)
-    with pytest.raises(httpx.ReadTimeout):
-        decode.post("/generate", real_peer, timeout=HUNG_CLIENT_TIMEOUT)
-    wait_for(lambda: decode.metric("sglang:num_queue_reqs") == 0)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        waiting = pool.submit(decode.post, "/generate", real_peer, timeout=1.5)
+        wait_for(lambda: rank_state(decode, 0)["waiting_for_peer"] == 1)
+        text = decode.get("/metrics").text
+        assert sample(text, "sglang:num_decode_transfer_queue_reqs", dp_rank="0") == 1
+        assert sample(text, "sglang:num_queue_reqs", dp_rank="0") == 0
+        assert sample(text, "sglang:num_running_reqs", dp_rank="0") == 0
+        with pytest.raises(httpx.ReadTimeout):
+            waiting.result(timeout=5)
+    wait_for(lambda: decode.metric("sglang:num_decode_transfer_queue_reqs") == 0)
     assert decode.get("/health").status_code == 200
+
+
+def test_sglang_prefill_bootstrap_rules(launch: Callable[..., Engine]) -> None:
+    prefill = launch("--backend", "sglang", "--mode", "prefill")
+    assert prefill.post("/generate", sglang_generate(bootstrap_host="2.2.2.2")).status_code == 400
+    fake = sglang_generate(max_new_tokens=4, bootstrap_host="2.2.2.2", bootstrap_room=3)
+    ok = prefill.post("/generate", fake)
+    assert ok.status_code == 200
+    assert ok.json()["meta_info"]["completion_tokens"] == 1  # prefill ends at its first token
+    # With no decode peer connecting, a request waits in the bootstrap queue.
+    with pytest.raises(httpx.ReadTimeout):
+        prefill.post(
+            "/generate",
+            sglang_generate(bootstrap_host="10.0.0.9", bootstrap_room=4),
+            timeout=HUNG_CLIENT_TIMEOUT,
+        )
+    wait_for(lambda: prefill.metric("sglang:num_prefill_bootstrap_queue_reqs") == 0)
+    assert prefill.get("/health").status_code == 200
+
+
+@pytest.mark.parametrize("path", ["/generate", "/v1/completions"])
+def test_sglang_decode_request_without_bootstrap_host_kills_the_server(
+    launch: Callable[..., Engine], path: str
+) -> None:
+    decode = launch("--backend", "sglang", "--mode", "decode")
+    body = sglang_generate(bootstrap_room=5) if path == "/generate" else completion()
+    with pytest.raises((httpx.RemoteProtocolError, httpx.ReadError)):
+        decode.post(path, body)
+    # SGLang's clean-up kills its own process tree.
+    assert decode.proc.wait(timeout=5) == -signal.SIGKILL
+    log = decode.log.read_text()
+    assert SGLANG_DECODE_CRASH in log
+    assert "Received sigquit from a child process. It usually means the child failed." in log
+    with pytest.raises(httpx.ConnectError):
+        decode.get("/v1/models")
+
+
+def test_sglang_transfer_backend_fake_refused_by_prefill_only(
+    launch: Callable[..., Engine], tmp_path: Path
+) -> None:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    port_file = tmp_path / "prefill.port"
+    command = [sys.executable, "-m", "sidecar.fakeengine", "--port", "0"]
+    command += ["--port-file", str(port_file), "--disaggregation-transfer-backend", "fake"]
+    refused = subprocess.run(
+        [*command, "--backend", "sglang", "--mode", "prefill"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=30,
+    )
+    assert refused.returncode == 1
+    assert "Prefill server does not support 'fake' as the transfer backend" in refused.stderr
+    assert not port_file.exists()  # it never listened
+    other = subprocess.run(
+        [*command, "--backend", "vllm"], capture_output=True, text=True, env=env, timeout=30
+    )
+    assert other.returncode == 2
+    assert "--disaggregation-transfer-backend exists only for --backend sglang" in other.stderr
+
+    decode = launch(
+        "--backend", "sglang", "--mode", "decode", "--disaggregation-transfer-backend", "fake"
+    )
+    assert decode.get("/v1/models").status_code == 200
+    prefill = launch(
+        "--backend",
+        "sglang",
+        "--mode",
+        "prefill",
+        "--disaggregation-transfer-backend",
+        "mooncake_tcp",
+    )
+    assert prefill.get("/v1/models").status_code == 200
 
 
 def test_sglang_loading_health_503_while_generation_queues(
@@ -1195,19 +1540,31 @@ def test_sglang_dp_rank_field_pins_generate(launch: Callable[..., Engine]) -> No
         return [rank["finished_requests"] for rank in engine.state()["ranks"]]
 
     body = sglang_generate(max_new_tokens=2, data_parallel_rank=1)
-    assert engine.post("/generate", body).status_code == 200
+    answer = engine.post("/generate", body)
+    assert answer.status_code == 200
+    assert answer.json()["meta_info"]["dp_rank"] == 1
     assert finished() == [0, 1]
-    assert engine.post("/generate", sglang_generate(data_parallel_rank=0)).status_code == 200
+    answer = engine.post("/generate", sglang_generate(data_parallel_rank=0))
+    assert answer.json()["meta_info"]["dp_rank"] == 0
     assert finished() == [1, 1]
-    # The metrics stay engine-wide, without a rank label.
+    # The request counters stay engine-wide, without a rank label.
     text = engine.get("/metrics").text
     assert sample(text, "sglang:num_requests_total") == 2
     assert sample(text, "sglang:generation_tokens_total") == 3
-    assert "engine=" not in text
+    assert sample(text, "sglang:realtime_tokens_total", dp_rank="1", mode="decode") == 1
+    assert sample(text, "sglang:realtime_tokens_total", dp_rank="0", mode="decode") == 0
 
-    rejected = engine.post("/generate", sglang_generate(data_parallel_rank=2))
-    assert rejected.status_code == 400
-    assert rejected.json() == {"error": {"message": "data_parallel_rank 2 is out of range [0, 2)."}}
+    for rank in (2, 5, -1):
+        rejected = engine.post("/generate", sglang_generate(data_parallel_rank=rank))
+        assert rejected.status_code == 400
+        assert rejected.json() == {
+            "error": {"message": f"routed_dp_rank={rank} out of range [0, 2)"}
+        }
+    # Unpinned requests alternate 0, 1, 0, 1.
+    ranks = [
+        engine.post("/generate", sglang_generate()).json()["meta_info"]["dp_rank"] for _ in range(4)
+    ]
+    assert ranks == [0, 1, 0, 1]
     # Only /generate's field pins; a header means nothing to SGLang.
     assert engine.post("/v1/completions", completion(), headers=pinned(5)).status_code == 200
 
@@ -1215,10 +1572,44 @@ def test_sglang_dp_rank_field_pins_generate(launch: Callable[..., Engine]) -> No
     with pytest.raises(httpx.ReadTimeout):
         engine.post("/generate", sglang_generate(data_parallel_rank=0), timeout=HUNG_CLIENT_TIMEOUT)
     assert engine.post("/generate", sglang_generate(data_parallel_rank=1)).status_code == 200
-    assert engine.get("/health").status_code == 200
+    assert engine.get("/v1/models").status_code == 200
     assert rank_state(engine, 0)["hung"] is True
     engine.fault(hang_ranks=[])
     wait_for(lambda: rank_state(engine, 0)["in_flight"] == 0)
+
+
+def test_sglang_dp_one_wedged_rank_freezes_its_series(launch: Callable[..., Engine]) -> None:
+    engine = launch("--backend", "sglang", "--dp-size", "2")
+    assert engine.post("/generate", sglang_generate(data_parallel_rank=1)).status_code == 200
+
+    def of_rank(rank: str) -> list[tuple[str, dict[str, str], float]]:
+        return [
+            s for s in sglang_series(engine.get("/metrics").text) if s[1].get("dp_rank") == rank
+        ]
+
+    engine.fault(hang_ranks=[1])
+    frozen = of_rank("1")
+    requests_before = sglang_requests(engine)
+    with pytest.raises(httpx.ReadTimeout):
+        engine.post("/generate", sglang_generate(data_parallel_rank=1), timeout=HUNG_CLIENT_TIMEOUT)
+    ok = engine.post("/generate", sglang_generate(max_new_tokens=3, data_parallel_rank=0))
+    assert ok.status_code == 200
+    time.sleep(0.1)
+    # Rank 1's series stand still, idle time included; rank 0's moved; the request counters
+    # counted rank 0's request.
+    assert of_rank("1") == frozen
+    assert rank_state(engine, 1)["in_flight"] == 1
+    assert sglang_rank(engine, 0)["decode"] == 2
+    requests = sglang_requests(engine)
+    assert requests["sglang:num_requests_total"] == requests_before["sglang:num_requests_total"] + 1
+    assert requests["sglang:generation_tokens_total"] == (
+        requests_before["sglang:generation_tokens_total"] + 3
+    )
+    engine.fault(hang_ranks=[])
+    wait_for(lambda: rank_state(engine, 1)["in_flight"] == 0)
+    assert sglang_rank(engine, 1)["prefill"] == 16
+    frozen_idle = next(v for n, _, v in frozen if n == "sglang:scheduler_idle_seconds_total")
+    assert sglang_rank(engine, 1)["idle"] > frozen_idle
 
 
 @pytest.mark.parametrize("backend", ["trtllm", "openai"])

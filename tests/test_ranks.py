@@ -105,6 +105,8 @@ sglang:realtime_tokens_total{dp_rank="0",engine_type="unified",mode="decode",mod
 sglang:realtime_tokens_total{dp_rank="1",engine_type="unified",mode="prefill_compute",model_name="tiny",moe_ep_rank="0",pp_rank="0",tp_rank="0"} 16.0
 # TYPE sglang:prompt_tokens counter
 sglang:prompt_tokens_total{engine_type="unified",is_streaming="false",model_name="tiny"} 96.0
+# TYPE sglang:num_requests counter
+sglang:num_requests_total{engine_type="unified",is_streaming="false",model_name="tiny"} 12.0
 """  # noqa: E501
 
 
@@ -114,11 +116,11 @@ def test_sglang_ranks_are_counted_and_read_from_the_schedulers_series():
     assert ranks_in(SGLANG_DP, (*spec.running, *spec.waiting), "dp_rank") == (0, 1)
     zero = read_progress(SGLANG_DP, plan.for_rank(0).progress_spec(), 1.0, 1.0)
     assert zero.in_flight == 3.0
-    assert zero.counters == {"steps": 480.0}  # the tokenizer's counters name no rank
+    assert zero.counters == {"prompt": 80.0, "generation": 400.0}
     one = read_progress(SGLANG_DP, plan.for_rank(1).progress_spec(), 1.0, 1.0)
-    assert (one.in_flight, one.counters) == (0.0, {"steps": 16.0})
-    every = read_progress(SGLANG_DP, spec, 1.0, 1.0)  # unpinned: every rank, and the tokenizer's
-    assert every.counters == {"steps": 496.0, "prompt": 96.0}
+    assert (one.in_flight, one.counters) == (0.0, {"prompt": 16.0})
+    every = read_progress(SGLANG_DP, spec, 1.0, 1.0)  # unpinned: every rank, and completions
+    assert every.counters == {"prompt": 96.0, "generation": 400.0, "completed": 12.0}
 
 
 @pytest.mark.parametrize(

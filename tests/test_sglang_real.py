@@ -17,9 +17,9 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.harness import Sidecar, wait_until
+from tests.harness import wait_until
 from tests.netns import isolated  # noqa: F401  (the module's private network namespace)
-from tests.sglang_engine import SglangServer, canary_body, sglang_server
+from tests.sglang_engine import SglangServer, canary_body, check, sglang_env, sglang_server
 
 WAIT, TIMEOUT = 1.0, 0.5  # conftest.FAST
 BOUND = WAIT + TIMEOUT + 2.0
@@ -30,19 +30,6 @@ SGLANG_HEALTH_TIMEOUT = 20.0  # SGLANG_HEALTH_CHECK_TIMEOUT: its /health says 50
 def server(isolated: None) -> Iterator[SglangServer]:  # noqa: F811
     with sglang_server(max_running_requests=2) as started:
         yield started
-
-
-def sglang_env(server: SglangServer, mode: str = "aggregated", **extra: str) -> dict[str, str]:
-    return {
-        "DYN_HEALTH_CHECK_ENABLED": "true",
-        "SIDECAR_BACKEND": "sglang",
-        "SIDECAR_DISAGGREGATION_MODE": mode,
-        "SIDECAR_ENGINE_URL": server.url,
-    } | extra
-
-
-def check(side: Sidecar) -> dict[str, Any]:
-    return side.http.get(f"{side.url}/health", timeout=5).json()["checks"]["generate"]
 
 
 def own_health(server: SglangServer, result: dict[str, Any]) -> None:
@@ -58,13 +45,13 @@ def test_the_canary_passes_and_progress_is_read_from_the_real_metrics(server, si
     wait_until(lambda: check(side)["progress"]["readable"], 5, what="the engine's metrics read")
     progress = check(side)["progress"]
     print(f"\nREAL-SGLANG progress: {progress['detail']}")
-    # The names a real SGLang 0.5.23 publishes (one rank: no dp_rank label on any of them).
+    # The names a real SGLang 0.5.23 publishes (one rank: no dp_rank label on any of them): the
+    # schedulers' per-batch counters, and the tokenizer's count of completed requests.
     for name in (
         "sglang:num_running_reqs",
         "sglang:num_queue_reqs",
-        "sglang:prompt_tokens_total",
-        "sglang:generation_tokens_total",
-        "sglang:realtime_tokens_total",
+        'sglang:realtime_tokens_total{mode="prefill_compute"}',
+        'sglang:realtime_tokens_total{mode="decode"}',
         "sglang:cuda_graph_passes_total",
         "sglang:num_requests_total",
     ):

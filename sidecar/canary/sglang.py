@@ -22,8 +22,8 @@ from sidecar.evidence.progress import (
     GENERATION,
     PROMPT,
     STEPS,
-    CanaryCost,
     ProgressSpec,
+    Series,
     series,
 )
 
@@ -47,19 +47,24 @@ class SglangProber(Prober):
     # Measured on a real SGLang 0.5.23 (docs/engines.md): with --dp-size N every scheduler-side
     # series carries dp_rank (with one rank, none does); the tokenizer manager's counters never do.
     rank_label: ClassVar[str | None] = "dp_rank"
-    # --enable-metrics; gzipped only when asked. The tokenizer manager's counters move when a
-    # request completes (in bursts under load, engine-wide); the schedulers' move with every
-    # batch, per rank: realtime_tokens_total (tokens computed, prefill and decode) and
-    # cuda_graph_passes_total (batches run, graph or not). Their idle and stage seconds advance
-    # while idle, so they prove nothing. Scoped to one rank, only the schedulers' remain.
+    # --enable-metrics; gzipped only when asked. The schedulers count, per rank and with every
+    # batch, the tokens they compute by kind (realtime_tokens_total{mode}: a prompt's tokens as
+    # prefill_compute, or prefill_cache when its prefix is cached; one per decode step) and the
+    # batches they run (cuda_graph_passes_total, graph or not). The tokenizer manager's counters
+    # move only when a request completes (in bursts under load, engine-wide, no rank): only its
+    # count of completed requests is read. The schedulers' idle and stage seconds advance while
+    # idle, so they prove nothing. Scoped to one rank, only the schedulers' series remain.
     progress: ProgressSpec = ProgressSpec(
         path="/metrics",
         running=series("sglang:num_running_reqs"),
         waiting=series("sglang:num_queue_reqs"),
         counters={
-            PROMPT: series("sglang:prompt_tokens_total"),
-            GENERATION: series("sglang:generation_tokens_total"),
-            STEPS: series("sglang:realtime_tokens_total", "sglang:cuda_graph_passes_total"),
+            PROMPT: (
+                Series("sglang:realtime_tokens_total", (("mode", "prefill_compute"),)),
+                Series("sglang:realtime_tokens_total", (("mode", "prefill_cache"),)),
+            ),
+            GENERATION: (Series("sglang:realtime_tokens_total", (("mode", "decode"),)),),
+            STEPS: series("sglang:cuda_graph_passes_total"),
             COMPLETED: series("sglang:num_requests_total"),
         },
     )
@@ -88,13 +93,6 @@ class SglangProber(Prober):
             body["bootstrap_port"] = self.bootstrap_port
             body["bootstrap_room"] = bootstrap_room(request_id)
         return body, tokens
-
-    def cost(self, expected_tokens: int) -> CanaryCost:
-        """The schedulers count a canary's prompt in realtime_tokens_total (computed, or read from
-        the prefix cache) beside its decode steps, and one pass per batch."""
-        cost = super().cost(expected_tokens)
-        steps = self.prompt_budget + 2 * (expected_tokens + 1)
-        return CanaryCost({**cost.budgets, STEPS: steps, COMPLETED: 1})
 
     def answer(self, parsed: Any, role: Role) -> str | None:
         # A decode canary's fake transfer brings no KV: what it generates is not reproducible.

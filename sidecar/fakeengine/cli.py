@@ -20,8 +20,11 @@ from sidecar.fakeengine.app import build_app
 from sidecar.fakeengine.backends import BACKENDS
 from sidecar.fakeengine.state import (
     BACKEND_NAMES,
+    DEFAULT_TRANSFER_BACKEND,
     MODES,
     NIXL_HANDSHAKE_TIMEOUT,
+    SGLANG_HEALTH_CHECK_TIMEOUT,
+    TRANSFER_BACKENDS,
     EngineConfig,
     EngineState,
     Faults,
@@ -63,7 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--prompt-on-arrival",
         action="store_true",
-        help="count a request's prompt tokens when it arrives, not once its prefill is done",
+        help="count a request's prompt tokens when it arrives, not once its prefill is done "
+        "(sglang's request counter: not once the request finishes)",
     )
     parser.add_argument(
         "--metrics-gzip",
@@ -97,6 +101,20 @@ def build_parser() -> argparse.ArgumentParser:
         "(400 out of range); other requests are balanced round-robin. The hang_ranks fault "
         "wedges ranks",
     )
+    parser.add_argument(
+        "--health-check-timeout",
+        type=_positive,
+        default=SGLANG_HEALTH_CHECK_TIMEOUT,
+        metavar="SECONDS",
+        help="sglang: how long /health (a 1-token generation, as in SGLang 0.5.23) waits for the "
+        "engine's output before answering 503; SGLang's SGLANG_HEALTH_CHECK_TIMEOUT, 20 s",
+    )
+    parser.add_argument(
+        "--disaggregation-transfer-backend",
+        choices=TRANSFER_BACKENDS,
+        help=f"sglang only (default {DEFAULT_TRANSFER_BACKEND}): a prefill server refuses to start "
+        "with 'fake', as SGLang's does; decode accepts it",
+    )
     parser.add_argument("--port-file", type=Path, help="write the bound port here (atomically)")
     parser.add_argument("--log-level", choices=LOG_LEVELS, default="warning")
     return parser
@@ -112,6 +130,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"--dp-size {args.dp_size}: data-parallel ranks exist only for --backend "
             + " and ".join(DP_BACKENDS)
         )
+    if args.disaggregation_transfer_backend is not None and args.backend != "sglang":
+        parser.error("--disaggregation-transfer-backend exists only for --backend sglang")
+    transfer_backend = args.disaggregation_transfer_backend or DEFAULT_TRANSFER_BACKEND
+    if args.backend == "sglang" and args.mode == "prefill" and transfer_backend == "fake":
+        # SGLang's server-argument check, before anything starts or listens.
+        print("Prefill server does not support 'fake' as the transfer backend", file=sys.stderr)
+        return 1
+    args.disaggregation_transfer_backend = transfer_backend
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -132,6 +158,8 @@ async def _run(args: argparse.Namespace) -> int:
         dev_mode=args.dev_mode,
         kv_handshake_timeout=args.kv_handshake_timeout,
         dp_size=args.dp_size,
+        health_check_timeout=args.health_check_timeout,
+        transfer_backend=args.disaggregation_transfer_backend,
     )
     state = EngineState(config, loading_seconds=0.0 if binds_after_loading else args.load_seconds)
     server = _EngineServer(
@@ -241,6 +269,13 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
+    return value
+
+
+def _positive(text: str) -> float:
+    value = float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
     return value
 
 

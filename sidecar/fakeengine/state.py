@@ -29,9 +29,12 @@ KvTransferFailure = Literal["none", "peer_killed", "handshake_timeout", "peer_fr
 # What ``POST /sleep?mode=`` does with the requests in flight (vLLM's PauseMode).
 PauseMode = Literal["abort", "wait", "keep"]
 FinishReason = Literal["length", "abort"]
+# SGLang's --disaggregation-transfer-backend values the fake knows.
+TransferBackend = Literal["fake", "mooncake_tcp", "mooncake", "nixl"]
 
 BACKEND_NAMES: tuple[str, ...] = get_args(BackendName)
 MODES: tuple[str, ...] = get_args(Mode)
+TRANSFER_BACKENDS: tuple[str, ...] = get_args(TransferBackend)
 
 #: SGLang's bootstrap host that selects the fake KV transfer (warm-up and health probes).
 FAKE_BOOTSTRAP_HOST = "2.2.2.2"
@@ -46,6 +49,10 @@ RECORDED_HEADERS = (
 DEFAULT_GENERATION_ERROR = "Injected generation failure (fake engine)"
 #: NIXL's side-channel handshake waits this long for the peer (hard-coded 5 s in vLLM 0.32).
 NIXL_HANDSHAKE_TIMEOUT = 5.0
+#: SGLang's SGLANG_HEALTH_CHECK_TIMEOUT: how long its /health waits for its generation.
+SGLANG_HEALTH_CHECK_TIMEOUT = 20.0
+#: SGLang's default --disaggregation-transfer-backend.
+DEFAULT_TRANSFER_BACKEND: TransferBackend = "mooncake"
 PREFILL_CHUNK_SECONDS = 0.25
 PREFILL_CHUNK_TOKENS = 512  # what a chunked prefill's step adds to the prompt-token counter
 
@@ -131,6 +138,10 @@ class EngineConfig:
     # Data-parallel ranks (vLLM --data-parallel-size, SGLang --dp-size): one engine core each,
     # with counters of its own; requests are pinned to one or balanced round-robin.
     dp_size: int = 1
+    # SGLang: seconds its /health (a generation) waits for output before answering 503.
+    health_check_timeout: float = SGLANG_HEALTH_CHECK_TIMEOUT
+    # SGLang --disaggregation-transfer-backend (prefill refuses "fake" at start-up).
+    transfer_backend: TransferBackend = DEFAULT_TRANSFER_BACKEND
 
 
 @dataclass
@@ -146,6 +157,11 @@ class Job:
     finish_reason: FinishReason = "length"
     # The data-parallel rank (engine core) that runs it.
     rank: int = 0
+    # Streamed to its client (SGLang labels its request counters is_streaming).
+    stream: bool = False
+    # False for an engine's internal request that its request counters leave out (SGLang's
+    # /health generation sets log_metrics=False).
+    log_metrics: bool = True
 
 
 def token_at(position: int) -> int:
@@ -177,6 +193,7 @@ class RankStats:
     prompt_tokens: int = 0
     generated_tokens: int = 0
     iteration_tokens: int = 0  # prompt tokens computed plus tokens generated, by steps
+    decode_tokens: int = 0  # tokens after each request's first (that one comes with its prefill)
     steps: int = 0  # engine steps that produced tokens
     finished_requests: int = 0
     aborted_requests: int = 0  # ended by a sleep in mode abort
@@ -185,6 +202,12 @@ class RankStats:
     nixl_failed_transfers: int = 0
     nixl_failed_notifications: int = 0
     nixl_kv_expired_reqs: int = 0
+    # SGLang's P/D queues: prefill requests waiting in the bootstrap queue for their decode
+    # peer, decode requests waiting in the transfer queue for their KV (not in ``waiting``).
+    prefill_bootstrap_queue: int = 0
+    decode_transfer_queue: int = 0
+    # Seconds this rank had nothing running (set when published, see Rank.idle_seconds).
+    idle_seconds: float = 0.0
     # The engine's sleep level as this rank last published it (None: awake).
     sleep_level: int | None = None
 
@@ -208,10 +231,39 @@ class Rank:
         self.frozen: RankStats | None = None  # what its series show while it is hung
         self.released = asyncio.Event()
         self.released.set()
+        self._idle_total = 0.0  # idle seconds up to the start of the current busy period
+        self._idle_since: float | None = time.monotonic()  # None while something runs
 
     @property
     def hung(self) -> bool:
         return not self.released.is_set()
+
+    def start_running(self) -> None:
+        if self.stats.running == 0 and self._idle_since is not None:
+            self._idle_total += time.monotonic() - self._idle_since
+            self._idle_since = None
+        self.stats.running += 1
+
+    def stop_running(self) -> None:
+        self.stats.running -= 1
+        if self.stats.running == 0:
+            self._idle_since = time.monotonic()
+
+    def idle_seconds(self) -> float:
+        """Wall time so far with nothing running on this rank (requests waiting for a peer
+        leave it idle: its scheduler has nothing to compute)."""
+        since = self._idle_since
+        return self._idle_total + (0.0 if since is None else time.monotonic() - since)
+
+
+@dataclass
+class RequestTally:
+    """Finished requests as a request-level counter counts them (SGLang's tokenizer manager:
+    prompt and generated tokens added when a request finishes)."""
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
 
 
 class EngineState:
@@ -240,6 +292,12 @@ class EngineState:
         self._idle = asyncio.Event()
         self._idle.set()
         self._change = asyncio.Event()
+        # Requests that finished, by whether they were streamed; engine-wide, so a hung rank
+        # stops adding to them without freezing them.
+        self.logged = {False: RequestTally(), True: RequestTally()}
+        # Tokens generated so far on any rank, and an event set at the next one.
+        self.outputs = 0
+        self._output = asyncio.Event()
 
     # -- data-parallel ranks ---------------------------------------------------------------------
 
@@ -261,7 +319,7 @@ class EngineState:
         """What a rank's series show: its live numbers, or the frozen ones while it is hung."""
         if rank.frozen is not None:
             return rank.frozen
-        return replace(rank.stats, sleep_level=self.sleep_level)
+        return replace(rank.stats, sleep_level=self.sleep_level, idle_seconds=rank.idle_seconds())
 
     def published_total(self) -> RankStats:
         """What an engine publishing no per-rank series shows: the sum over its ranks."""
@@ -318,6 +376,16 @@ class EngineState:
     def _pulse(self) -> None:
         self._change.set()
         self._change = asyncio.Event()
+
+    @property
+    def output(self) -> asyncio.Event:
+        """Set at the next token generated on any rank (take it before waiting)."""
+        return self._output
+
+    def _note_output(self) -> None:
+        self.outputs += 1
+        self._output.set()
+        self._output = asyncio.Event()
 
     def take_wrong_answer(self) -> bool:
         """Whether the answer starting now is to be wrong; uses up one of ``wrong_answers``."""
@@ -424,13 +492,15 @@ class EngineState:
         the deterministic healthy answer, or a wrong one under the wrong-answer faults."""
         rank = self.ranks[job.rank]
         stats = rank.stats
-        stats.running += 1
+        tally = self.logged[job.stream] if job.log_metrics else RequestTally()
+        rank.start_running()
         self._idle.clear()
         epoch = self._abort_epoch
         wrong = False
         try:
             if self.config.prompt_on_arrival:
                 stats.prompt_tokens += job.prompt_tokens
+                tally.prompt_tokens += job.prompt_tokens
             await self._wait_released(rank)
             await self._prefill(rank)
             if self.aborted_since(epoch):
@@ -449,13 +519,19 @@ class EngineState:
                 if position == 0:
                     wrong = self.take_wrong_answer() or bool(job.meta.get("corrupt_kv"))
                 stats.generated_tokens += 1
+                stats.decode_tokens += position > 0
                 # One step per token; the first one also computed the prompt (as vLLM counts).
                 stats.steps += 1
                 stats.iteration_tokens += 1 + (job.prompt_tokens if position == 0 else 0)
+                self._note_output()
                 yield wrong_token_at(position) if wrong else token_at(position)
             stats.finished_requests += 1
+            tally.requests += 1
+            tally.generated_tokens += job.max_tokens
+            if not self.config.prompt_on_arrival:
+                tally.prompt_tokens += job.prompt_tokens
         finally:
-            stats.running -= 1
+            rank.stop_running()
             if self.running == 0:
                 self._idle.set()
 
@@ -503,11 +579,17 @@ class EngineState:
         return {
             "rank": rank.index,
             "hung": rank.hung,
-            "in_flight": stats.running + stats.waiting,
+            "in_flight": stats.running + stats.waiting + self._waiting_for_peer(stats),
             "running": stats.running,
             "waiting": stats.waiting,
+            "waiting_for_peer": self._waiting_for_peer(stats),
             "routed": rank.routed,
             "prompt_tokens": stats.prompt_tokens,
             "generated_tokens": stats.generated_tokens,
             "finished_requests": stats.finished_requests,
         }
+
+    @staticmethod
+    def _waiting_for_peer(stats: RankStats) -> int:
+        """SGLang's P/D queues (vLLM's requests waiting for their KV count as waiting)."""
+        return stats.prefill_bootstrap_queue + stats.decode_transfer_queue

@@ -149,6 +149,12 @@ class Backend:
         """Hook for backends whose non-health routes refuse to answer while loading."""
 
     async def health(self) -> Response:
+        early = await self.health_precheck()
+        return self.healthy_response(200) if early is None else early
+
+    async def health_precheck(self) -> Response | None:
+        """What the health route answers before looking at the engine itself (injected latency
+        and status, loading, death), or None to go on."""
         if self.state.faults.health_latency:
             await asyncio.sleep(self.state.faults.health_latency)
         forced = self.state.faults.health_status
@@ -160,14 +166,15 @@ class Backend:
             return self.loading_health_response()
         if self.state.faults.dead:
             return self.unhealthy_response(503, self.dead_message)
-        return self.healthy_response(200)
+        return None
 
     async def models(self) -> Response:
         self.guard_loading()
         return json_response({"object": "list", "data": [self.model_card()]})
 
-    #: Whether the real server gzips its metrics for a client that accepts it (SGLang and
-    #: TensorRT-LLM serve them through prometheus_client's ASGI app, which does).
+    #: Whether the real server gzips its metrics for a client that accepts it (TensorRT-LLM
+    #: serves them through prometheus_client's ASGI app, which does; SGLang's backend serves
+    #: them its own way, see SglangBackend.metrics).
     gzips_metrics: ClassVar[bool] = False
 
     async def metrics(self, request: Request) -> Response:
@@ -228,8 +235,12 @@ class Backend:
         pinned = self.pinned_rank(request, req)
         size = self.state.dp_size
         if pinned is not None and not 0 <= pinned < size:
-            raise RankOutOfRange(rank_out_of_range(pinned, size))
+            raise RankOutOfRange(self.rank_out_of_range(pinned, size))
         job.rank = self.state.route(pinned)
+
+    def rank_out_of_range(self, rank: int, dp_size: int) -> str:
+        """The message of the 400 for a request pinned outside [0, dp_size)."""
+        return rank_out_of_range(rank, dp_size)
 
     def check_encoder(self, media_parts: int) -> None:
         """An encoder instance only accepts requests that carry media to encode."""
@@ -311,6 +322,7 @@ class Backend:
             prompt_tokens=req.prompt_tokens(),
             max_tokens=req.wanted_tokens(),
             prompt_ids=req.prompt if isinstance(req.prompt, list) else None,
+            stream=req.stream,
         )
         self.assign_rank(job, request, req)
         job = await self.admit(req, job, request)
@@ -336,6 +348,7 @@ class Backend:
             request_id=req.request_id or new_id(),
             prompt_tokens=req.prompt_tokens(),
             max_tokens=req.wanted_tokens(),
+            stream=req.stream,
         )
         self.assign_rank(job, request, req)
         job = await self.admit(req, job, request)

@@ -1,0 +1,103 @@
+"""A real SGLang decode server (fake transfer backend) and prefill server (mooncake over TCP), each
+with the sidecar's built-in canary of its role.
+
+A decode request without the bootstrap fields crashes the whole decode server: the test that
+shows it runs first, on a server of its own, so that the decode body this project sends is proven
+necessary, not only accepted. One server at a time (about 2 GB each), in a private network
+namespace. Prepared by ``scripts/prepare_engines.sh --only sglang``; skipped without it or without
+root (failed under CI).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from sidecar.canary.base import Role
+from sidecar.canary.sglang import SglangProber
+from sidecar.config import Mode, ModelType
+from tests.harness import wait_until
+from tests.netns import isolated  # noqa: F401  (the module's private network namespace)
+from tests.sglang_engine import SglangServer, check, sglang_env, sglang_server, sidecar_metric
+
+
+def role_body(mode: str) -> dict[str, Any]:
+    """The body this project's SGLang prober sends in ``mode``."""
+    body, _ = SglangProber().body(Role(Mode(mode), ModelType.TEXT), None, "canary-probe")
+    return body
+
+
+def test_a_canary_without_the_bootstrap_fields_kills_a_decode_server(isolated):  # noqa: F811
+    """What a plain (aggregated) canary does to a real SGLang decode server: not a 400, a dead
+    server. A throw-away one."""
+    with sglang_server(mode="decode") as server:
+        started = time.monotonic()
+        with pytest.raises(httpx.HTTPError):
+            server.generate(role_body("aggregated"), timeout=30)
+        assert server.proc is not None
+        code = server.proc.popen.wait(30)
+        print(
+            f"\nREAL-SGLANG decode given a plain canary: the server exited {code} after "
+            f"{time.monotonic() - started:.1f} s: {server.proc.output()[-400:]}"
+        )
+        assert code != 0
+        assert "'NoneType' object has no attribute 'startswith'" in server.proc.output()
+        assert server.status("/v1/models") is None  # refused
+
+
+@pytest.fixture(scope="module")
+def decode(isolated) -> Iterator[SglangServer]:  # noqa: F811
+    with sglang_server(mode="decode") as started:
+        yield started
+
+
+def test_the_decode_canary_passes_and_the_server_survives_it(decode, sidecar):
+    side = sidecar(sglang_env(decode, "decode", DYN_CANARY_WAIT_TIME="0.1"))
+    side.wait_status(200, 15)
+    wait_until(lambda: sidecar_metric(side, "health_sidecar_canary_total") >= 10, 20)
+    assert sidecar_metric(side, "health_sidecar_canary_total", outcome="success") >= 10
+    assert check(side)["consecutive_failures"] == 0
+    assert decode.running
+    assert decode.status("/v1/models") == 200
+    body = role_body("decode")
+    assert body["bootstrap_host"] == "2.2.2.2"
+    assert body["sampling_params"]["max_new_tokens"] == 2
+
+
+@pytest.fixture(scope="module")
+def prefill(isolated, decode) -> Iterator[SglangServer]:  # noqa: F811
+    decode.close()  # one server at a time
+    with sglang_server(mode="prefill") as started:
+        yield started
+
+
+QUEUES = ("sglang:num_prefill_bootstrap_queue_reqs", "sglang:num_prefill_inflight_queue_reqs")
+
+
+def queued(server: SglangServer) -> dict[str, float]:
+    totals = dict.fromkeys(QUEUES, 0.0)
+    for (name, _labels), value in server.metrics().items():
+        if name in totals:
+            totals[name] += value
+    return totals
+
+
+def test_the_prefill_canary_passes_and_pins_nothing(prefill, sidecar):
+    """SGLang's prefill refuses the fake transfer backend; with mooncake over TCP the fake
+    bootstrap host runs the canary locally. After 20 canaries nothing waits in its queues."""
+    side = sidecar(
+        sglang_env(prefill, "prefill", DYN_CANARY_WAIT_TIME="0.1")
+        | {"SIDECAR_SGLANG_BOOTSTRAP_PORT": str(prefill.bootstrap_port)}
+    )
+    side.wait_status(200, 15)
+    wait_until(lambda: sidecar_metric(side, "health_sidecar_canary_total") >= 20, 30)
+    assert sidecar_metric(side, "health_sidecar_canary_total", outcome="success") >= 20
+    time.sleep(1.0)
+    after = queued(prefill)
+    print(f"\nREAL-SGLANG prefill after 20 canaries: {after}")
+    assert after == dict.fromkeys(QUEUES, 0.0)
+    assert prefill.status("/health", timeout=10) == 200
