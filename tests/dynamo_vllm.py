@@ -27,7 +27,6 @@ import asyncio
 import contextlib
 import json
 import os
-import re
 import shutil
 import statistics
 import subprocess
@@ -40,9 +39,19 @@ from typing import Any
 
 import httpx
 
+from tests.dynamo_worker import dynamo_env, endpoint_instances
 from tests.engines import require
-from tests.harness import LOOPBACK, ROOT, Proc, base_env, free_port, free_port_in, wait_until
-from tests.vllm_engine import ENGINE_CORE, ENGINE_NICE, MAX_MODEL_LEN, MODEL, WORKER, descendants
+from tests.harness import (
+    LOOPBACK,
+    ROOT,
+    Proc,
+    base_env,
+    descendants,
+    free_port,
+    free_port_in,
+    wait_until,
+)
+from tests.vllm_engine import ENGINE_CORE, ENGINE_NICE, MAX_MODEL_LEN, MODEL, WORKER
 
 START_TIMEOUT = 300.0  # listed after 42-83 s on 2 cores (the slow one beside other tests)
 MODES = ("aggregated", "prefill", "decode")
@@ -59,38 +68,12 @@ CANARY_PAYLOAD: dict[str, Any] = {
     },
     "_HEALTH_CHECK": True,
 }
-_SERIES = re.compile(r"^(dynamo_component_\w+)\{([^}]*)\}", re.MULTILINE)
-_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 _RESOURCE_TRACKER = "multiprocessing.resource_tracker"
 
 
 def loopback_env(kv_dir: str | os.PathLike[str]) -> dict[str, str]:
-    """Dynamo's variables that keep a worker or a client on 127.0.0.1 with file discovery in
-    ``kv_dir`` (the defaults bind 0.0.0.0 and advertise the host's external address)."""
-    return {
-        "DYN_FILE_KV": str(kv_dir),
-        "DYN_TCP_RPC_HOST": LOOPBACK,
-        "DYN_TCP_RESPONSE_STREAM_HOST": LOOPBACK,
-        "DYN_EVENT_PLANE_HOST": LOOPBACK,
-        "DYN_HTTP_RPC_HOST": LOOPBACK,
-        "DYN_LOG": "warn",
-    }
-
-
-def endpoint_instances(metrics: str) -> dict[str, set[int]]:
-    """The endpoint instances a Dynamo system server's /metrics names: ``dynamo_component_*``
-    series labelled with ``dynamo_namespace``, ``dynamo_component``, ``dynamo_endpoint`` and
-    ``worker_id`` (the instance id in hex) -> {"NS.COMP.EP": {instance id, ...}}."""
-    found: dict[str, set[int]] = {}
-    for match in _SERIES.finditer(metrics):
-        labels = dict(_LABEL.findall(match.group(2)))
-        parts = [labels.get(f"dynamo_{k}") for k in ("namespace", "component", "endpoint")]
-        worker_id = labels.get("worker_id")
-        if not all(parts) or not worker_id:
-            continue
-        with contextlib.suppress(ValueError):
-            found.setdefault(".".join(p for p in parts if p), set()).add(int(worker_id, 16))
-    return found
+    """Dynamo's loopback variables (tests.dynamo_worker.dynamo_env), its runtime's log quieter."""
+    return dynamo_env(kv_dir) | {"DYN_LOG": "warn"}
 
 
 def _cmdline(pid: int) -> str:
@@ -235,16 +218,15 @@ class DynamoVllmWorker:
         """Wait until the system server's /metrics names an instance of a generate endpoint;
         return the seconds since start."""
 
+        # Prefill registers dynamo.prefill.generate, aggregated and decode dynamo.backend.generate.
+        path = "dynamo.prefill.generate" if self.mode == "prefill" else "dynamo.backend.generate"
+
         def listed() -> tuple[str, int] | None:
             self._check_alive()
-            instances = endpoint_instances(self.metrics_text())
-            generate = sorted(p for p in instances if p.endswith(".generate"))
-            if not generate:
-                return None
-            path = generate[0]
-            if len(instances[path]) != 1:
+            instances = endpoint_instances(self.metrics_text(), path)
+            if len(instances) > 1:
                 raise AssertionError(f"{self.name}: several instances of {path}: {instances}")
-            return path, next(iter(instances[path]))
+            return (path, instances[0]) if instances else None
 
         self._instance = wait_until(listed, timeout, interval=0.5, what=f"{self.name} listed")
         self.listed_after = self.since_start()

@@ -129,6 +129,44 @@ class Proc:
         self.popen.wait(5)
 
 
+def _comm_and_cmdline(pid: int) -> tuple[str, str]:
+    try:
+        comm = Path(f"/proc/{pid}/comm").read_text().strip()
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return "", ""
+    return comm, cmdline.strip()
+
+
+def _children(pid: int) -> list[int]:
+    kids: list[int] = []
+    for children in Path(f"/proc/{pid}/task").glob("*/children"):
+        try:
+            kids += [int(p) for p in children.read_text().split()]
+        except OSError:
+            continue
+    return kids
+
+
+def descendants(pid: int) -> dict[int, str]:
+    """Every live descendant of ``pid`` (walking /proc/PID/task/*/children): pid -> name, where
+    the name is the process title an engine sets (vLLM's ``VLLM::EngineCore``, SGLang's
+    ``sglang::scheduler_DP1``): ``comm`` is cut at 15 characters, so the title is taken from the
+    command line when it starts with the comm."""
+    found: dict[int, str] = {}
+    todo = _children(pid)
+    while todo:
+        child = todo.pop()
+        if child in found:
+            continue
+        comm, cmdline = _comm_and_cmdline(child)
+        if not comm:
+            continue
+        found[child] = cmdline if cmdline.startswith(comm) and "::" in comm else comm
+        todo += _children(child)
+    return found
+
+
 def base_env() -> dict[str, str]:
     """The test's environment without variables that would change the sidecar's config."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DYN_", "SIDECAR_"))}

@@ -44,13 +44,12 @@ import signal
 import subprocess
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 
 from tests.engines import require
-from tests.harness import LOOPBACK, Proc, Sidecar, base_env, free_port, wait_until
+from tests.harness import LOOPBACK, Proc, Sidecar, base_env, descendants, free_port, wait_until
 from tests.vllm_engine import samples, total
 
 MODEL = "tiny"
@@ -84,42 +83,6 @@ BASE_FLAGS = (
     "--enable-metrics",
     "--sleep-on-idle",
 )
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return ""
-    return raw.replace(b"\0", b" ").decode(errors="replace").strip()
-
-
-def _children(pid: int) -> list[int]:
-    kids: list[int] = []
-    for children in Path(f"/proc/{pid}/task").glob("*/children"):
-        try:
-            kids += [int(p) for p in children.read_text().split()]
-        except OSError:
-            continue
-    return kids
-
-
-def descendants(pid: int) -> dict[int, str]:
-    """Every live descendant of ``pid``: pid -> its title. SGLang retitles its processes with
-    setproctitle, which rewrites the command line (``comm`` keeps only 15 characters), so the
-    title is the command line."""
-    found: dict[int, str] = {}
-    todo = _children(pid)
-    while todo:
-        child = todo.pop()
-        if child in found:
-            continue
-        title = _cmdline(child)
-        if not title:
-            continue
-        found[child] = title
-        todo += _children(child)
-    return found
 
 
 def scheduler_rank(title: str) -> int:

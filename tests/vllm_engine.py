@@ -20,7 +20,6 @@ import os
 import signal
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -28,7 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from sidecar.canary.transfer import REMOTE_DECODE
 from tests.engines import require
-from tests.harness import LOOPBACK, Proc, base_env, free_port, wait_until
+from tests.harness import LOOPBACK, Proc, base_env, descendants, free_port, wait_until
 
 MODEL = "tiny"
 MAX_MODEL_LEN = 512
@@ -40,43 +39,6 @@ WORKER = "VLLM::Worker"
 # gives each container a CPU cgroup of its own; one cgroup shared here needs the engine niced.
 ENGINE_NICE = 19
 GREEDY = {"temperature": 0, "ignore_eos": True, "stream": False}
-
-
-def _comm_and_cmdline(pid: int) -> tuple[str, str]:
-    try:
-        comm = Path(f"/proc/{pid}/comm").read_text().strip()
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-    except OSError:
-        return "", ""
-    return comm, cmdline.strip()
-
-
-def _children(pid: int) -> list[int]:
-    kids: list[int] = []
-    for children in Path(f"/proc/{pid}/task").glob("*/children"):
-        try:
-            kids += [int(p) for p in children.read_text().split()]
-        except OSError:
-            continue
-    return kids
-
-
-def descendants(pid: int) -> dict[int, str]:
-    """Every live descendant of ``pid`` (walking /proc/PID/task/*/children): pid -> name, where
-    the name is the process title vLLM sets (``comm`` is cut at 15 characters, so the title is
-    taken from the command line when it starts with the comm)."""
-    found: dict[int, str] = {}
-    todo = _children(pid)
-    while todo:
-        child = todo.pop()
-        if child in found:
-            continue
-        comm, cmdline = _comm_and_cmdline(child)
-        if not comm:
-            continue
-        found[child] = cmdline if cmdline.startswith(comm) and "::" in comm else comm
-        todo += _children(child)
-    return found
 
 
 def samples(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
