@@ -2,14 +2,19 @@
 
     .venv/bin/python -m bench.fault_matrix [--reps N] [--only SCENARIO ...] [--seed S] [--out F]
 
-Each repetition starts a fresh engine (llama.cpp's ``llama-server``, or Dynamo's mocker worker and
-frontend), the sidecar with its defaults (``python -m sidecar``) and, in this process, the
-baseline (:mod:`bench.baseline`, Dynamo's documented canary loop) against the same engine at
-the same time; then injects one fault and measures, for each prober, the time from the fault to
-its first 503, the time from the recovery (SIGCONT, engine serving again, model loaded) to its
-first 200, and the canaries it sent. The sidecar's ``/health`` is polled every 50 ms; the
-baseline's verdict is read from its own record of changes. The full run writes
+Each repetition starts a fresh engine (llama.cpp's ``llama-server``, Dynamo's mocker worker and
+frontend, a real vLLM or a real SGLang), the sidecar with its defaults (``python -m sidecar``)
+and, in this process, the baseline (:mod:`bench.baseline`, Dynamo's documented canary loop)
+against the same engine at the same time; then injects one fault and measures, for each prober,
+the time from the fault to its first 503, the time from the recovery (SIGCONT, engine serving
+again, model loaded) to its first 200, and the canaries it sent. The sidecar's ``/health`` is
+polled every 50 ms; the baseline's verdict is read from its own record of changes; the engine's
+own health route, where a row shows it, is polled beside them. The full run writes
 ``docs/fault-benchmark.md``; runs with ``--only`` write it only when ``--out`` is given.
+
+The SGLang scenarios (``sglang-*``) need root: SGLang's scheduler listens on all interfaces, so
+the whole run then happens in a private network namespace with only loopback
+(:mod:`tests.netns`), entered before any thread or process of the run starts.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ import argparse
 import asyncio
 import contextlib
 import datetime
+import hashlib
+import json
 import os
 import platform
 import random
@@ -33,10 +40,13 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench._shared import counts, cpu_model, seconds
+from bench._shared import code_version, counts, cpu_model, seconds
 from bench.baseline import DynamoCanaryLoop, Timeline
 from tests.engines import Dynamo, LlamaServer, engine_paths
 from tests.harness import ROOT, FakeEngine, Sidecar, base_env
+from tests.netns import private_network, unavailable
+from tests.sglang_engine import SCHEDULER as SGLANG_SCHEDULER
+from tests.sglang_engine import SglangServer
 from tests.vllm_engine import VllmServer
 
 MODEL = "tiny"  # llama-server's --alias and the mocker's --model-name (tests/engines.py)
@@ -180,9 +190,15 @@ class Load:
     Dynamo's ingress notifies its canary loop."""
 
     def __init__(
-        self, url: str, clients: int, max_tokens: int, listeners: Sequence[DynamoCanaryLoop]
+        self,
+        url: str,
+        clients: int,
+        max_tokens: int,
+        listeners: Sequence[DynamoCanaryLoop],
+        extra_body: dict[str, object] | None = None,
     ) -> None:
         self.clients, self.max_tokens = clients, max_tokens
+        self.extra_body = dict(extra_body or {})
         self.listeners = list(listeners)
         self.served = 0
         self.failed = 0
@@ -208,6 +224,7 @@ class Load:
 
     async def _client(self) -> None:
         body = {"model": MODEL, "prompt": "hello", "max_tokens": self.max_tokens, "stream": True}
+        body |= self.extra_body
         while True:
             self._notify(DynamoCanaryLoop.request_started)
             try:
@@ -260,8 +277,10 @@ class Probers:
         self.tasks.append(asyncio.create_task(loop.run()))
         return loop
 
-    def add_poller(self, name: str, url: str) -> Poller:
-        poller = Poller(url)
+    def add_poller(
+        self, name: str, url: str, interval: float = POLL, timeout: float = 1.0
+    ) -> Poller:
+        poller = Poller(url, interval, timeout)
         self.extra[name] = poller
         self.tasks.append(asyncio.create_task(poller.run()))
         return poller
@@ -337,9 +356,12 @@ def llama_server(model: str = "TINY_GGUF", *extra: str) -> Iterator[LlamaServer]
 
 
 @contextlib.asynccontextmanager
-async def load(rig: Probers, clients: int, max_tokens: int) -> AsyncIterator[Load]:
+async def load(
+    rig: Probers, clients: int, max_tokens: int, extra_body: dict[str, object] | None = None
+) -> AsyncIterator[Load]:
     """Traffic that notifies every baseline of the rig."""
-    generator = Load(rig.engine_url, clients, max_tokens, list(rig.baselines.values()))
+    listeners = list(rig.baselines.values())
+    generator = Load(rig.engine_url, clients, max_tokens, listeners, extra_body)
     generator.start()
     try:
         yield generator
@@ -364,9 +386,16 @@ async def engine_health(url: str) -> int | None:
             return None
 
 
-async def ready_for_fault(rig: Probers, rng: random.Random, spread: float) -> None:
-    """Both probers ready, then a random point of the idle cycle (so medians are fair)."""
-    if not await rig.wait_ready(CAP):
+async def ready_for_fault(
+    rig: Probers, rng: random.Random, spread: float, also: Sequence[Poller] = ()
+) -> None:
+    """Both probers (and the pollers ``also``) ready, then a random point of the idle cycle (so
+    medians are fair)."""
+
+    def ready() -> bool:
+        return rig.ready() and all(poller.timeline.current for poller in also)
+
+    if not await wait_for(ready, CAP):
         raise RuntimeError(f"probers not ready within {CAP:g} s: {rig.timelines()}")
     await asyncio.sleep(rng.uniform(0, spread))
 
@@ -775,6 +804,260 @@ async def vllm_dp_rank_freeze(rng: random.Random) -> Rep:
             return rep
 
 
+# --- a real SGLang (0.5.23, its CPU engine): a scheduler frozen ----------------------------------
+SGLANG_OWN = "SGLang's own /health"
+SGLANG_HOLD = 30.0  # longer than SGLang's own 20 s health timeout, so that its 503 can show
+KUBELET_PERIOD = 1.0  # SGLang's own /health polled as a kubelet would: periodSeconds 1,
+KUBELET_TIMEOUT = 25.0  # timeoutSeconds 25 (above SGLANG_HEALTH_CHECK_TIMEOUT, 20 s)
+SGLANG_RUNNING = 2  # --max-running-requests in the traffic scenario: the third client queues
+SGLANG_CLIENTS = 3
+SGLANG_TOKENS = 384  # with ignore_eos: the random-weight model would stop at a random EOS
+SGLANG_LOAD_BODY: dict[str, object] = {"ignore_eos": True}  # SGLang's sampling extension
+SGLANG_OTHERS_CAP = 20 * 60.0  # longest wait for someone else's SGLang server to end
+SGLANG_KEYS = ("SGLANG_PYTHON", "SGLANG_SITE_DIR", "SGLANG_MODEL_DIR")
+HOST_NETNS: list[str] = []  # the network namespace the benchmark was started in (main sets it)
+
+
+def netns_of(pid: int | str) -> str | None:
+    try:
+        return os.readlink(f"/proc/{pid}/ns/net")
+    except OSError:
+        return None
+
+
+def sglang_schedulers() -> list[int]:
+    """Pids of every SGLang scheduler on the machine (before a start here: someone else's)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            title = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if title.startswith(SGLANG_SCHEDULER.encode()):
+            found.append(int(entry.name))
+    return found
+
+
+async def alone_with_sglang() -> list[str]:
+    """Wait (at most ``SGLANG_OTHERS_CAP``) until no other SGLang server runs on the machine: two
+    at once would share the 2 cores (and 4 GB). Return a note when there was one."""
+    others = sglang_schedulers()
+    if not others:
+        return []
+    print(f"    waiting for another SGLang server to end (schedulers {others})", file=sys.stderr)
+    started = now()
+    alone = await wait_for(lambda: not sglang_schedulers(), SGLANG_OTHERS_CAP, interval=5.0)
+    waited = f"waited {now() - started:.0f} s for another SGLang server to end"
+    return [waited if alone else f"{waited}; ran beside it (schedulers {sglang_schedulers()})"]
+
+
+def strangers(server: SglangServer) -> list[str]:
+    """A note when SGLang schedulers other than this server's run on the machine now."""
+    mine = set(server.processes()) if server.running else set()
+    others = [pid for pid in sglang_schedulers() if pid not in mine]
+    return [f"another SGLang server ran beside this one (schedulers {others})"] if others else []
+
+
+def check_private(server: SglangServer) -> None:
+    """Every process of the server lives in this thread's private network namespace."""
+    assert server.proc is not None
+    mine = netns_of("thread-self")
+    pids = [server.proc.pid, *server.processes()]
+    outside = {pid: ns for pid in pids if (ns := netns_of(pid)) is not None and ns != mine}
+    if outside or mine in HOST_NETNS:
+        raise RuntimeError(f"SGLang outside the private network namespace {mine}: {outside}")
+
+
+@contextlib.asynccontextmanager
+async def sglang_server(
+    *, dp_size: int = 1, max_running_requests: int | None = None
+) -> AsyncIterator[SglangServer]:
+    """A started SGLang (tests/sglang_engine.py), ended with its process group on exit."""
+    server = SglangServer(dp_size=dp_size, max_running_requests=max_running_requests)
+    try:
+        await asyncio.to_thread(server.start)
+        check_private(server)
+        yield server
+    finally:
+        await asyncio.to_thread(server.close)
+
+
+def own_sglang_health(rig: Probers, server: SglangServer) -> Poller:
+    """SGLang's own /health as a kubelet probes it: one GET at a time, every second, 25 s
+    timeout; 200 is healthy, a 503 or no answer is not (failureThreshold 1)."""
+    url = f"{server.url}/health"
+    return rig.add_poller(SGLANG_OWN, url, interval=KUBELET_PERIOD, timeout=KUBELET_TIMEOUT)
+
+
+def answers(poller: Poller, start: float, end: float) -> dict[str, int]:
+    """The statuses of the polls that completed between ``start`` and ``end``, counted."""
+    seen: dict[str, int] = {}
+    for at, code in poller.codes:
+        if start <= at <= end:
+            key = "no answer" if code is None else str(code)
+            seen[key] = seen.get(key, 0) + 1
+    return dict(sorted(seen.items()))
+
+
+def own_sglang_row(rep: Rep, own: Poller, fault: float, recovery: float) -> None:
+    """SGLang's own /health: its times, its probes (generations) answered since the fault, and
+    what it answered while the scheduler was frozen (the statuses in the note, counted in the
+    observations)."""
+    sent = sum(1 for at, _ in own.codes if at >= fault)
+    run = measure(own.timeline, fault, recovery, sent)
+    seen = answers(own, fault, recovery)
+    note = "answered while frozen: " + (", ".join(seen) or "nothing")
+    rep.probers[SGLANG_OWN] = replace(run, note=note)
+    counted = ", ".join(f"{n} probe(s) {code}" for code, n in seen.items()) or "no probe"
+    rep.facts.append(f"SGLang's own /health answered while frozen: {counted}")
+
+
+def back_early(rep: Rep, name: str, timeline: Timeline, fault: float, recovery: float) -> None:
+    """Say so in the note when a prober that went 503 said 200 again before the recovery (the
+    observations give the times)."""
+    run = rep.probers[name]
+    down = timeline.first(False, fault)
+    if not run.went_down or down is None or timeline.state_at(recovery) is not True:
+        return
+    rep.probers[name] = replace(run, note=f"{run.note}; 200 again before SIGCONT, still frozen")
+
+
+async def sglang_gauges(url: str) -> str:
+    """SGLang's in-flight gauges, summed over ranks: running and queued requests."""
+    async with httpx.AsyncClient(timeout=5.0, trust_env=False) as client:
+        try:
+            text = (await client.get(f"{url}/metrics")).text
+        except httpx.HTTPError as exc:
+            return f"/metrics: {type(exc).__name__}"
+    found = {"sglang:num_running_reqs": 0.0, "sglang:num_queue_reqs": 0.0}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in found:
+                found[sample.name] += sample.value
+    return ", ".join(f"{name.removeprefix('sglang:')} {value:g}" for name, value in found.items())
+
+
+def first_503(rig: Probers, fault: float) -> str:
+    """The sidecar's whole reason at its first 503 after the fault."""
+    down = rig.health.timeline.first(False, fault)
+    if down is None:
+        return "the sidecar never said 503"
+    return f"the sidecar's first 503, {down.at - fault:.1f} s after the fault: {down.reason}"
+
+
+def first_200(rig: Probers, recovery: float) -> str:
+    """The sidecar's whole reason at its first 200 after the recovery."""
+    up = rig.health.timeline.first(True, recovery)
+    if up is None:
+        return "the sidecar did not say 200 again"
+    return f"the sidecar's first 200, {up.at - recovery:.2f} s after SIGCONT: {up.reason}"
+
+
+async def sglang_back(rig: Probers, own: Poller) -> bool:
+    return await wait_for(lambda: rig.ready() and bool(own.timeline.current), CAP)
+
+
+async def sglang_freeze(rng: random.Random, *, traffic: bool) -> Rep:
+    notes = await alone_with_sglang()
+    running = SGLANG_RUNNING if traffic else None
+    async with (
+        sglang_server(max_running_requests=running) as server,
+        probers(server.url, server.close, g2=traffic, backend="sglang") as rig,
+    ):
+        own = own_sglang_health(rig, server)
+        await ready_for_fault(rig, rng, 1.0 if traffic else 10.0, also=[own])
+        scheduler = (await asyncio.to_thread(server.scheduler_pids))[0]
+        async with contextlib.AsyncExitStack() as stack:
+            if traffic:
+                flow = await stack.enter_async_context(
+                    load(rig, SGLANG_CLIENTS, SGLANG_TOKENS, SGLANG_LOAD_BODY)
+                )
+                await asyncio.sleep(SETTLE)
+                notes.append(f"in flight before the freeze: {await sglang_gauges(server.url)}")
+            before = await rig.sidecar_canaries()
+            fault = now()
+            server.freeze(scheduler)
+            await asyncio.sleep(SGLANG_HOLD)
+            notes += strangers(server)
+            recovery = now()
+            server.thaw(scheduler)
+            await sglang_back(rig, own)
+            rep = results(rig, fault, recovery, before)
+            own_sglang_row(rep, own, fault, recovery)
+            if traffic:
+                notes.append(f"load: {flow.served} requests served, {flow.failed} failed")
+            rep.facts += [*notes, first_503(rig, fault), first_200(rig, recovery)]
+            return rep
+
+
+async def sglang_idle_freeze(rng: random.Random) -> Rep:
+    """SGLang's scheduler (the model's step loop) frozen while idle for 30 s."""
+    return await sglang_freeze(rng, traffic=False)
+
+
+async def sglang_traffic_freeze(rng: random.Random) -> Rep:
+    """SGLang's scheduler frozen for 30 s under steady traffic, with a queue."""
+    return await sglang_freeze(rng, traffic=True)
+
+
+def sidecar_ranks(side: Sidecar) -> int:
+    """How many data-parallel ranks the sidecar checks (0 before it has counted them)."""
+    try:
+        _, body = side.health()
+    except (httpx.HTTPError, ValueError):
+        return 0
+    ranks = body.get("ranks", {}).get("generate", {})
+    return int(ranks.get("count", 0))
+
+
+async def sglang_dp_rank(rng: random.Random) -> Rep:
+    """SGLang with two data-parallel ranks, rank 1's scheduler frozen for 30 s while idle; the
+    sidecar counts the ranks itself (SIDECAR_DP_RANKS=auto) and checks each."""
+    notes = await alone_with_sglang()
+    ranks = {"SIDECAR_DP_RANKS": "auto"}
+    async with (
+        sglang_server(dp_size=2) as server,
+        probers(server.url, server.close, backend="sglang", extra=ranks) as rig,
+    ):
+        own = own_sglang_health(rig, server)
+        counted = await wait_for(lambda: sidecar_ranks(rig.sidecar) == 2, CAP, interval=0.5)
+        if not counted:
+            raise RuntimeError(f"the sidecar counted {sidecar_ranks(rig.sidecar)} ranks, not 2")
+        await ready_for_fault(rig, rng, 10.0, also=[own])
+        schedulers = await asyncio.to_thread(server.scheduler_pids)
+        before = await rig.sidecar_canaries()
+        fault = now()
+        server.freeze(schedulers[1])
+        await asyncio.sleep(SGLANG_HOLD)
+        notes += strangers(server)
+        recovery = now()
+        server.thaw(schedulers[1])
+        await sglang_back(rig, own)
+        rep = results(rig, fault, recovery, before)
+        own_sglang_row(rep, own, fault, recovery)
+        back_early(rep, BASELINE, rig.baseline.timeline, fault, recovery)
+        beside = changes(rig.baseline.timeline, fault, recovery)
+        rep.facts += [
+            *notes,
+            first_503(rig, fault),
+            first_200(rig, recovery),
+            f"the baseline while rank 1 was frozen: {beside}",
+        ]
+        return rep
+
+
+def changes(timeline: Timeline, start: float, end: float) -> str:
+    """A verdict's changes between ``start`` and ``end``, in seconds after ``start``."""
+    found = [
+        f"{'ready' if c.ready else 'notready'} at {c.at - start:.1f} s ({shorten(c.reason)})"
+        for c in timeline.changes
+        if start <= c.at <= end
+    ]
+    return ", ".join(found) or "no change"
+
+
 @dataclass(frozen=True)
 class Scenario:
     title: str  # the table's scenario column
@@ -867,6 +1150,31 @@ SCENARIOS: dict[str, Scenario] = {
         "SIGSTOPped for 20 s (/health still 200, rank 0 still serves), then SIGCONT. Back to "
         "200 from SIGCONT.",
     ),
+    "sglang-idle-freeze": Scenario(
+        "9a. SGLang: scheduler frozen while idle",
+        sglang_idle_freeze,
+        "a real SGLang (0.5.23, its CPU engine, tiny random Llama), idle; at a random point 0-10 s "
+        "after every prober is ready, its sglang::scheduler process SIGSTOPped for "
+        f"{SGLANG_HOLD:g} s (longer than the 20 s after which its own /health answers 503), then "
+        "SIGCONT. Back to 200 from SIGCONT.",
+    ),
+    "sglang-traffic-freeze": Scenario(
+        "9b. SGLang: scheduler frozen under steady traffic",
+        sglang_traffic_freeze,
+        f"the same SGLang with --max-running-requests {SGLANG_RUNNING} under steady traffic "
+        f"({SGLANG_CLIENTS} clients, streaming /v1/completions, {SGLANG_TOKENS} tokens with "
+        "ignore_eos, back to back: two run, one waits in the queue) for 3 s, then its scheduler "
+        f"SIGSTOPped for {SGLANG_HOLD:g} s, then SIGCONT. Back to 200 from SIGCONT.",
+    ),
+    "sglang-dp-rank": Scenario(
+        "9c. SGLang: one of two data-parallel ranks frozen",
+        sglang_dp_rank,
+        "an SGLang with two data-parallel ranks (--dp-size 2), idle; the sidecar with "
+        "SIDECAR_DP_RANKS=auto (it counts the ranks in the dp_rank labels of SGLang's gauges, then "
+        "pins one canary to each), the baseline with its unpinned canary; at a random point "
+        "0-10 s after every prober is ready, sglang::scheduler_DP1 SIGSTOPped for "
+        f"{SGLANG_HOLD:g} s (rank 0 still serves), then SIGCONT. Back to 200 from SIGCONT.",
+    ),
     "busy-healthy": Scenario(
         "6b. busy but healthy",
         busy_healthy,
@@ -937,8 +1245,45 @@ def command_output(argv: list[str], env: dict[str, str] | None = None) -> str:
     return (done.stdout + done.stderr).strip()
 
 
-def versions() -> dict[str, str]:
+def versions(engines: set[str]) -> dict[str, str]:
+    """The versions of the engines that ``engines`` (families, see :func:`engine_of`) ran."""
     paths = engine_paths()
+    sidecar = command_output([sys.executable, "-c", "import sidecar; print(sidecar.__version__)"])
+    found = llama_versions(paths) if engines - {"sglang"} else {}
+    models = found.pop("models", None)
+    found["health-sidecar"] = sidecar
+    if models is not None:
+        found["models"] = models
+    if "sglang" in engines:
+        found |= sglang_versions(paths)
+    return found
+
+
+def sglang_versions(paths: dict[str, str]) -> dict[str, str]:
+    python = paths["SGLANG_PYTHON"]
+    script = "import importlib.metadata as m; print(*(m.version(p) for p in {!r}))"
+    packages = ("sglang", "torch", "transformers")
+    found = command_output([python, "-c", script.format(packages)]).split()
+    model = Path(paths["SGLANG_MODEL_DIR"])
+    try:
+        config = json.loads((model / "config.json").read_text())
+        shape = (
+            f"{config['architectures'][0]}, hidden {config['hidden_size']}, "
+            f"{config['num_hidden_layers']} layers, vocabulary {config['vocab_size']}, "
+            f"{config.get('dtype', '?')}, random weights"
+        )
+    except (OSError, ValueError, KeyError, IndexError):
+        shape = "?"
+    named = dict(zip(packages, found, strict=False))
+    return {
+        "SGLang": f"sglang {named.get('sglang', '?')} (its CPU engine, SGLANG_USE_CPU_ENGINE=1), "
+        f"torch {named.get('torch', '?')}, transformers {named.get('transformers', '?')} "
+        f"({python})",
+        "SGLang's model": f"{model.name} ({shape})",
+    }
+
+
+def llama_versions(paths: dict[str, str]) -> dict[str, str]:
     llama = command_output([paths["LLAMA_SERVER_BIN"], "--version"]).splitlines()
     dynamo = command_output(
         [
@@ -947,19 +1292,32 @@ def versions() -> dict[str, str]:
             "import importlib.metadata as m; print(m.version('ai-dynamo'))",
         ]
     )
-    sidecar = command_output([sys.executable, "-c", "import sidecar; print(sidecar.__version__)"])
     return {
         "llama.cpp llama-server": f"{llama[0] if llama else '?'} ({paths['LLAMA_SERVER_BIN']})",
         "ai-dynamo (mocker worker, frontend)": f"{dynamo} ({paths['DYNAMO_PYTHON']})",
-        "health-sidecar": sidecar,
         "models": f"{Path(paths['TINY_GGUF']).name} (0.5 MB), {Path(paths['BIG_GGUF']).name} "
         "(800 MB); Dynamo mocker: tinymodel",
     }
 
 
-def sidecar_plan() -> str:
-    env = base_env() | sidecar_env("http://127.0.0.1:8080") | {"DYN_SYSTEM_HOST": "127.0.0.1"}
-    return command_output([sys.executable, "-m", "sidecar", "--check-config"], env)
+def sidecar_plan(
+    backend: str = "openai", url: str = "http://127.0.0.1:8080", extra: dict[str, str] | None = None
+) -> str:
+    env = base_env() | sidecar_env(url, backend) | {"DYN_SYSTEM_HOST": "127.0.0.1"}
+    return command_output([sys.executable, "-m", "sidecar", "--check-config"], env | (extra or {}))
+
+
+def plan_lines(plan: str, section: str) -> str:
+    """One section of a plan: its first line (starting with ``section``) and its indented
+    continuation lines."""
+    lines = plan.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith(section)), None)
+    if start is None:
+        return f"({section}: not in the plan)"
+    end = start + 1
+    while end < len(lines) and lines[end].startswith(" "):
+        end += 1
+    return "\n".join(lines[start:end])
 
 
 # --- the document --------------------------------------------------------------------------------
@@ -1008,7 +1366,7 @@ Canaries sent count from the fault until both probers are back (or the cap): the
 sidecar's `health_sidecar_canary_total` (all outcomes) and the baseline's dispatched canaries.
 The notes give the cause of the first 503 (the sidecar's `/health` reason, the baseline's
 verdict). The probers share the engine, as they would in a pod: a baseline canary that completes
-moves llama-server's counters, which the sidecar reads as progress (proof of health); the
+moves the engine's counters, which the sidecar reads as progress (proof of health); the
 baselines hear only of the load generator's traffic, not of the sidecar's canaries.
 """
 
@@ -1023,13 +1381,31 @@ def document(
     started: datetime.datetime,
     took: float,
     loads: tuple[str, str],
+    codes: tuple[str, str, str],
 ) -> str:
+    """``codes``: code_version() at the start, sidecar/'s digest at the start and at the end."""
+    engines = {engine_of(name) for name in all_reps}
+    sglang = "sglang" in engines
+    others = bool(engines - {"sglang"})
     machine = f"{os.cpu_count()} CPUs ({cpu_model()}), {platform.platform()}"
-    version_lines = "\n".join(f"- {name}: {value}" for name, value in versions().items())
+    version_lines = "\n".join(f"- {name}: {value}" for name, value in versions(engines).items())
     reps = max((len(r) for r in all_reps.values()), default=0)
-    return f"""# Fault benchmark: the sidecar's defaults beside Dynamo's canary loop
+    title = "the sidecar's defaults beside Dynamo's canary loop"
+    title += " and SGLang's own /health" if sglang else ""
+    digests = f"`{codes[1]}`" + (
+        " at the start and the end"
+        if codes[1] == codes[2]
+        else f" at the start, `{codes[2]}` at the end"
+    )
+    parts = [PROBERS_TEXT.format(plan=sidecar_plan())] if others else []
+    probers_text = "\n".join(parts + ([sglang_probers_text()] if sglang else []))
+    loads_text = ([LOAD_TEXT] if others else []) + ([SGLANG_LOAD] if sglang else [])
+    load_text = "\n".join(loads_text)
+    prepared = "engines prepared by `scripts/prepare_engines.sh`"
+    prepared += SGLANG_REPRODUCE if sglang else ""
+    return f"""# Fault benchmark: {title}
 
-Reproduce (from the repository root, engines prepared by `scripts/prepare_engines.sh`):
+Reproduce (from the repository root, {prepared}):
 
 ```bash
 {command}
@@ -1042,6 +1418,8 @@ Reproduce (from the repository root, engines prepared by `scripts/prepare_engine
   {loads[1]} at the end), so single runs can be slower
 - the code: `bench/fault_matrix.py` (scenarios, load generator, measurement) and
   `bench/baseline.py` (the baseline)
+- the code measured: `{codes[0]}` (`bench/_shared.py`'s `code_version()` at the
+  start); the digest of `sidecar/` (`sidecar_digest()`, SHA-256 of its files) {digests}
 
 Versions:
 
@@ -1051,36 +1429,42 @@ Versions:
 
 {markdown_table(table(all_reps))}
 
-{READING}
+{READING}{SGLANG_READING if sglang else ""}
 ## Scenarios
 
 {scenario_list(list(all_reps))}
 
 ## What differs, and why
 
-{NOTES}
+{NOTES if others else ""}{SGLANG_NOTES if sglang else ""}
 
 ## The probers
 
-The sidecar runs with its defaults (only the backend, the role, the engine URL and the endpoint
-list are set, as in `config/llamacpp-aggregated.env`; the Dynamo scenario points
-`SIDECAR_ENGINE_URL` at the frontend). Its plan, from `health-sidecar --check-config`:
-
-```text
-{sidecar_plan()}
-```
-
-{BASELINE_TEXT}
-The load generator runs in the benchmark's process: each client sends streaming completions
-(`max_tokens` 32, prompt "hello") back to back and notifies the baselines of every chunk.
-llama-server runs as `tests/engines.py` starts it (`-c 512 -t 1 -np 1 --metrics`): one request
-runs, the others wait in its queue.
-
+{probers_text}
+{BASELINE_TEXT}{SGLANG_BASELINE if sglang else ""}
+{load_text}
 ## Observations per run
 
 {facts(all_reps)}
 """
 
+
+PROBERS_TEXT = """\
+The sidecar runs with its defaults (only the backend, the role, the engine URL and the endpoint
+list are set, as in `config/llamacpp-aggregated.env`; the Dynamo scenario points
+`SIDECAR_ENGINE_URL` at the frontend). Its plan, from `health-sidecar --check-config`:
+
+```text
+{plan}
+```
+"""
+
+LOAD_TEXT = """\
+The load generator runs in the benchmark's process: each client sends streaming completions
+(`max_tokens` 32, prompt "hello") back to back and notifies the baselines of every chunk.
+llama-server runs as `tests/engines.py` starts it (`-c 512 -t 1 -np 1 --metrics`): one request
+runs, the others wait in its queue.
+"""
 
 NOTES = """\
 - **A frozen llama-server (1, 2, 6a).** SIGSTOP freezes the whole process: its own `/health`
@@ -1136,6 +1520,109 @@ NOTES = """\
 """
 
 
+SGLANG_REPRODUCE = (
+    " (`--only sglang` for these rows); as root: the run enters a private network namespace"
+    " with only loopback before it starts anything, since SGLang's scheduler listens on all"
+    " interfaces"
+)
+
+SGLANG_READING = f"""
+SGLang's own `/health` (0.5.23: the `/health_generate` handler, a 1-token generation that
+answers 200 once any output reaches the tokenizer manager, 503 after 20 s without) is polled as
+a kubelet would probe it: one `GET /health` at a time, every {KUBELET_PERIOD:g} s (from the start
+of one to the start of the next, or at once when one took longer), timeout {KUBELET_TIMEOUT:g} s
+(above SGLang's 20 s); 200 is healthy, a 503 or no answer is not, and the first unhealthy answer
+counts (failureThreshold 1; a kubelet's default of 3 adds two more probes, 20 s each while the
+scheduler is frozen). Its time is taken when the answer arrives; its notes list the statuses of
+the probes answered while the scheduler was frozen (counted under "Observations per run"); its
+"canaries sent" are the probes answered from the fault until every prober was back, since each
+is a generation. Those generations run
+beside the sidecar's (outside SGLang's request counters, `log_metrics=False`), as they would in a
+pod with that probe.
+"""
+
+
+def sglang_probers_text() -> str:
+    url = "http://127.0.0.1:30000"
+    plan = sidecar_plan("sglang", url)
+    ranks = plan_lines(sidecar_plan("sglang", url, {"SIDECAR_DP_RANKS": "auto"}), "ranks")
+    return f"""\
+For SGLang the sidecar runs with the same defaults and `SIDECAR_BACKEND=sglang` (the data-parallel
+scenario adds `SIDECAR_DP_RANKS=auto`). Its plan, from `health-sidecar --check-config`:
+
+```text
+{plan}
+```
+
+With `SIDECAR_DP_RANKS=auto` its `ranks` line reads:
+
+```text
+{ranks}
+```
+"""
+
+
+SGLANG_BASELINE = """
+Beside SGLang the baseline runs as beside vLLM: it cannot send SGLang's native `/generate`
+(it speaks only the OpenAI-compatible `/v1/completions`, which SGLang also serves, through the
+same tokenizer manager to the same schedulers), so its canary is the streaming 1-token
+completion above, unpinned (SGLang's round robin picks the data-parallel rank). Dynamo's own
+SGLang canary (`SglangHealthCheckPayload`) goes in-process to the engine's generate with
+`token_ids` [bos] and names no rank either (its prefill/decode payload's `bootstrap_room` 0
+reaches rank 0 only).
+"""
+
+SGLANG_LOAD = f"""\
+For SGLang the load generator's clients ask for {SGLANG_TOKENS} tokens each, with SGLang's
+`ignore_eos` (the random-weight model samples its EOS early otherwise; 256 tokens took about
+0.75 s alone on this CPU). {SGLANG_CLIENTS} clients run against `--max-running-requests
+{SGLANG_RUNNING}`: two requests run and one waits in SGLang's queue. SGLang runs as
+`tests/sglang_engine.py` starts it: niced, its CPU engine, `--sleep-on-idle`, `--enable-metrics`
+(the full command line is in that file).
+"""
+
+SGLANG_NOTES = """\
+- **A frozen SGLang scheduler (9a, 9b).** SIGSTOP of `sglang::scheduler` freezes the model's step
+  loop and nothing else: the HTTP server and tokenizer manager keep answering `/v1/models` (the
+  sidecar's registration check) and `/metrics` (gauges and counters that no longer move). So,
+  unlike a frozen llama-server, there is no registration timeout to find it: the canary and the
+  metrics decide. Idle, the sidecar's next routine canary (due 10 s after the last pass) times
+  out after 3 s while no counter moved: one timeout confirms the hang, 503 within wait +
+  timeout. The baseline needs its next canary too, plus its 3 s, so both land in the same range,
+  by the phase of their cycles. Under traffic the sidecar sends no routine canary; its stall rule
+  sees requests in flight (running and queued) and quiet counters, confirms with one canary and
+  says `stalled` about 4-5 s after the freeze. The baseline's G3 loop sends nothing while
+  requests are in flight and its 60 s busy-stall budget outlasts the 30 s freeze: it never
+  notices; the G2 loop canaries 10 s after the last chunk and flips at its timeout, about 13 s.
+- **SGLang's own /health (9a, 9b).** It is a real check of the scheduler, and a slow one: a
+  probe sent after the freeze waits SGLang's full 20 s for any output before its 503 (a probe in
+  flight at the freeze may still answer 200 first), and a kubelet with failureThreshold 3 would
+  need two more such probes: about 60 s. Traffic makes no difference to it: queued work produces
+  no output either. After SIGCONT the pending probe sees output within its 1 s check loop.
+- **Back after SIGCONT.** The sidecar retries a failing canary every second (every 3 s while
+  they time out): idle, the one in flight at SIGCONT or the next passes within a fraction of a
+  second. Under traffic its canary waits in SGLang's queue for one of the two running slots,
+  behind 384-token generations (1-3 s from send to answer): the one sent before SIGCONT passes
+  when its 3 s have not run out, else the next one does, a few seconds later (3.3 s in a trial
+  run). Its reason when ready again can add that the requests in flight made no progress for
+  about 30 s "while the canary passes: they wait on something outside the engine": the canary
+  passed before the sidecar's metrics reads had seen the resumed scheduler's counters move;
+  those requests waited on the frozen scheduler, not outside the engine. The baseline is back
+  at its next passing canary (up to 10 s), at once when its canary was in flight at SIGCONT or
+  when real traffic resumes (its first chunk).
+- **One of two data-parallel ranks frozen (9c).** The sidecar counts the ranks from the
+  `dp_rank` labels of SGLang's gauges (`SIDECAR_DP_RANKS=auto`), pins a canary to each with
+  `data_parallel_rank`, and turns 503 when rank 1's canary times out, the reason naming
+  `generate/rank1`. The baseline's unpinned canary goes where SGLang's round robin sends it: it
+  notices only when its canary happens to land on rank 1, and says 200 again at the next one that
+  lands on rank 0, while rank 1 is still frozen (the observations say when). SGLang's own `/health`
+  answers 200 as long as *any* output reaches the tokenizer manager within 20 s: a probe routed
+  to the frozen rank waits until rank 0 produces something (its own probes, the sidecar's rank-0
+  canaries, the baseline's) and then answers 200. A frozen rank is invisible to it; requests
+  routed there wait until SIGCONT.
+"""
+
+
 # --- main ----------------------------------------------------------------------------------------
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
@@ -1162,10 +1649,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def check_engines(names: Sequence[str]) -> None:
     paths = engine_paths()
     keys: tuple[str, ...] = ()
-    if any(not n.startswith("vllm-") for n in names):
+    if any(engine_of(n) == "llama" for n in names):
         keys += ("LLAMA_SERVER_BIN", "TINY_GGUF", "BIG_GGUF", "DYNAMO_PYTHON", "DYNAMO_MODEL_DIR")
-    if any(n.startswith("vllm-") for n in names):
+    if any(engine_of(n) == "vllm" for n in names):
         keys += ("VLLM_PYTHON", "VLLM_MODEL_DIR")
+    if any(engine_of(n) == "sglang" for n in names):
+        keys += SGLANG_KEYS
     missing = [k for k in keys if not paths.get(k) or not Path(paths[k]).exists()]
     if missing:
         raise SystemExit(
@@ -1173,17 +1662,37 @@ def check_engines(names: Sequence[str]) -> None:
         )
 
 
+def engine_of(name: str) -> str:
+    """The engine family a scenario runs on: "sglang", "vllm" or "llama" (llama-server, the
+    Dynamo mocker and the fake engine)."""
+    family, _, _ = name.partition("-")
+    return family if family in ("sglang", "vllm") else "llama"
+
+
+def sidecar_digest() -> str:
+    """A digest of the files under sidecar/ (what code_version() calls uncommitted changes)."""
+    digest = hashlib.sha256()
+    for path in sorted((ROOT / "sidecar").rglob("*")):
+        if path.is_file() and "__pycache__" not in path.parts:
+            digest.update(str(path.relative_to(ROOT)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:12]
+
+
 async def run_all(names: Sequence[str], reps: int, rng: random.Random) -> dict[str, list[Rep]]:
     done: dict[str, list[Rep]] = {}
+    first_digest = sidecar_digest()
     for name in names:
         done[name] = []
         for index in range(1, reps + 1):
             started = now()
             print(f"[{name} {index}/{reps}] {SCENARIOS[name].title}", file=sys.stderr, flush=True)
+            digest = sidecar_digest()
             try:
                 rep = await SCENARIOS[name].run(rng)
             except Exception as exc:  # one broken run must not lose the others
                 rep = Rep(facts=[f"run failed: {type(exc).__name__}: {exc}"])
+            if digest != first_digest:
+                rep.facts.append(f"sidecar/ changed during the benchmark: this run used {digest}")
             done[name].append(rep)
             print(f"    {now() - started:.0f} s: {summary(rep)}", file=sys.stderr, flush=True)
     return done
@@ -1199,6 +1708,22 @@ def summary(rep: Rep) -> str:
     )
 
 
+@contextlib.contextmanager
+def isolation(names: Sequence[str]) -> Iterator[None]:
+    """With SGLang scenarios, the whole run in a private network namespace: SGLang's scheduler
+    listens on all interfaces. This (main) thread enters it before any thread or process of the
+    run is started, so all of them live there and share its loopback."""
+    if not any(engine_of(n) == "sglang" for n in names):
+        yield
+        return
+    why = unavailable()
+    if why is not None:
+        raise SystemExit(f"the SGLang scenarios need a private network namespace: {why}")
+    HOST_NETNS[:] = [ns for ns in (netns_of("thread-self"),) if ns]
+    with private_network():
+        yield
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     names = [n for n in SCENARIOS if n in (args.only or SCENARIOS)]
@@ -1209,14 +1734,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     started = datetime.datetime.now(datetime.UTC)
     clock, load_before = now(), load_average()
-    all_reps = asyncio.run(run_all(names, args.reps, random.Random(seed)))
+    code = (code_version(), sidecar_digest())
+    with isolation(names):
+        all_reps = asyncio.run(run_all(names, args.reps, random.Random(seed)))
     took = now() - clock
     print(markdown_table(table(all_reps)))
     print(facts(all_reps))
     out = args.out if args.out is not None else (DEFAULT_OUT if not args.only else None)
     if out is not None:
         loads = (load_before, load_average())
-        out.write_text(document(all_reps, command, started, took, loads))
+        codes = (*code, sidecar_digest())
+        out.write_text(document(all_reps, command, started, took, loads, codes))
         print(f"wrote {out}", file=sys.stderr)
     return 0
 

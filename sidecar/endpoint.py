@@ -226,5 +226,13 @@ def suspected(ep: EndpointState, policy: Policy, now: float) -> bool:
 
 def parked(ep: EndpointState, policy: Policy, now: float) -> bool:
     """Work sits in flight without progress while the canary passes: the requests wait on
-    something outside the engine (a decode worker waiting for a prefill peer's KV)."""
-    return ep.progress.suspects_stall(policy.suspect_after, now) and _passed_while_quiet(ep)
+    something outside the engine (a decode worker waiting for a prefill peer's KV). Not on the
+    first pass after a failure, until a metrics read after it still shows the work quiet: a
+    frozen engine's first canary after it resumes passes before the read that shows its work
+    moving again."""
+    if not (ep.progress.suspects_stall(policy.suspect_after, now) and _passed_while_quiet(ep)):
+        return False
+    latest, passed = ep.progress.latest, ep.canary.last_pass_at
+    read_since = latest is not None and passed is not None and latest.at > passed
+    return ep.canary.successes >= 2 or read_since
+
