@@ -235,4 +235,3 @@ def parked(ep: EndpointState, policy: Policy, now: float) -> bool:
     latest, passed = ep.progress.latest, ep.canary.last_pass_at
     read_since = latest is not None and passed is not None and latest.at > passed
     return ep.canary.successes >= 2 or read_since
-
