@@ -43,6 +43,9 @@ liveness window, each started and ended by its own source only:
   discovery while its system server answers (ended when it is listed again, or the worker stops
   answering: only a restart registers an orphaned worker again).
 
+An endpoint fails liveness when its first clock reaches the window; the cause named is that
+clock's, or "not discoverable" whenever that one runs (no canary reaches an orphan).
+
 A refused connection or a non-200 health answer stops every clock: a loading, draining or gone
 engine is never restarted by this sidecar; nor is a paused one (asleep, or in maintenance).
 """
@@ -284,22 +287,33 @@ def _current_reason(ep: EndpointState, cause: Cause) -> str:
 class Liveness:
     live: bool
     reason: str
-    cause: Cause | None = None  # the clock that failed liveness, or runs longest
+    cause: Cause | None = None  # the clock that failed liveness, or runs first
 
 
 def decide_liveness(endpoints: Mapping[str, EndpointState], now: float, window: float) -> Liveness:
     """Live unless a clock has run for at least ``window`` seconds; the reason names the cause
-    and quotes its source's current reason."""
-    running = [
-        (start, name, cause)
-        for name, ep in endpoints.items()
-        for cause, start in clocks(ep).items()
-    ]
+    and quotes its source's current reason.
+
+    An endpoint's first clock decides when it fails liveness. The cause named is that clock's,
+    except that "not discoverable" names itself whenever it runs: no canary can reach an orphaned
+    worker, so the canary clock a freeze started before the records expired cannot end, and
+    discovery is what only a restart repairs."""
+    running = []
+    for name, ep in endpoints.items():
+        own = clocks(ep)
+        if own:
+            start, first = min((s, c) for c, s in own.items())
+            cause = Cause.UNDISCOVERABLE if Cause.UNDISCOVERABLE in own else first
+            running.append((start, name, cause, first))
     if not running:
         return Liveness(True, "no sustained hard failure")
-    start, name, cause = min(running)
+    start, name, cause, first = min(running)
     elapsed = now - start
-    detail = f"{name}: {cause} for {elapsed:.1f} s"
+    if cause is first:
+        detail = f"{name}: {cause} for {elapsed:.1f} s"
+    else:
+        since = now - clocks(endpoints[name])[cause]
+        detail = f"{name}: {cause} for {since:.1f} s, after {first} for {elapsed:.1f} s"
     current = _current_reason(endpoints[name], cause)
     if elapsed >= window:
         return Liveness(False, f"{detail} (window {window:g} s): {current}", cause)

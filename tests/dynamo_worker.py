@@ -322,6 +322,9 @@ class DynamoClient:
 # The client process (runs the Dynamo runtime; imported only there).
 
 
+DISCOVERY_WAIT = 5.0  # seconds a call waits for its instance to be discovered
+
+
 class _Caller:
     """One runtime and one endpoint client per endpoint path, on the process's event loop."""
 
@@ -366,14 +369,20 @@ class _Caller:
             "stopped_at": None,
             "first_chunk_s": None,
         }
+        client = await self.client(endpoint_path)
+        target = instance_id
+        if target is None:
+            target = (await asyncio.wait_for(client.wait_for_instances(), DISCOVERY_WAIT))[0]
+            result["instance_id"] = target
+        else:  # a fresh client's discovery watch may not list it yet: wait, outside the deadline
+            listed = time.monotonic() + DISCOVERY_WAIT
+            while time.monotonic() < listed:  # the binding offers no event for one instance
+                if target in {int(i) for i in client.instance_ids()}:
+                    break
+                await asyncio.sleep(0.02)
         start = time.monotonic()
 
         async def consume() -> None:
-            client = await self.client(endpoint_path)
-            target = instance_id
-            if target is None:
-                target = (await client.wait_for_instances())[0]
-                result["instance_id"] = target
             stream = await client.direct(payload, target, annotated=True, context=ctx)
             async for item in stream:
                 if result["first_chunk_s"] is None:

@@ -420,6 +420,28 @@ def test_an_orphaned_worker_is_notready_and_its_clock_fails_liveness():
     assert clocks(back) == {}
 
 
+def test_a_worker_frozen_past_its_lease_is_named_not_discoverable_on_the_freezes_clock():
+    ep = apply_discovery(worker(), True, "i1", 0.5, "file discovery (/srv/kv)")
+    ep = apply_canary(ep, ok(0.6), ep.incarnation, POLICY)
+    for at in (1.0, 2.0):  # frozen: its canaries time out, and the canary's clock starts
+        late = Result(Outcome.TIMEOUT, "canary timeout", at, at + 0.5, 1e9 + at, "c")
+        ep = apply_canary(ep, late, ep.incarnation, POLICY)
+    hard = ep.canary.hard_since
+    assert hard is not None
+    assert clocks(ep) == {Cause.CANARY: hard}
+    ep = apply_discovery(ep, False, "i1", 8.0, "file discovery (/srv/kv)")  # records expired
+    assert canary_due(ep, POLICY) is None  # so the canary's clock can never end by itself
+    live = decide_liveness({"generate": ep}, hard + 9.0, POLICY.liveness_window)
+    assert live.live
+    assert live.cause is Cause.UNDISCOVERABLE
+    dead = decide_liveness({"generate": ep}, hard + 10.0, POLICY.liveness_window)
+    assert not dead.live  # on the freeze's clock
+    assert dead.cause is Cause.UNDISCOVERABLE
+    assert dead.reason.startswith(
+        f"generate: not discoverable for {hard + 2.0:.1f} s, after canary failing hard for 10.0 s"
+    )
+
+
 def test_a_worker_never_listed_is_notready_without_a_clock():
     ep = apply_discovery(worker(), False, "i1", 0.5, "etcd")
     verdict = endpoint_verdict(ep, POLICY, 1.0)
