@@ -4,7 +4,7 @@
 
 The script enters a private network namespace of its own first (Dynamo's event plane listens on
 0.0.0.0: ``tests/netns.py``; needs root), so every process it starts lives there. Each
-repetition then starts a fresh fake Dynamo worker (``sidecar/fakeengine/dynamo.py`` on the real
+repetition then starts a fresh fake Dynamo worker (``fakeengine/dynamo.py`` on the real
 runtime: file discovery in a private directory, TCP request plane, loopback only) with its
 canary payload registered and Dynamo's own canary on (``DYN_HEALTH_CHECK_ENABLED=true``,
 ``DYN_CANARY_WAIT_TIME=1``, ``DYN_HEALTH_CHECK_REQUEST_TIMEOUT=1``: integers, the runtime refuses
@@ -745,7 +745,7 @@ def versions(code: str) -> dict[str, str]:
         "ai-dynamo-runtime (worker and the sidecar's client)": version("ai-dynamo-runtime"),
         "health-sidecar": f"{version('health-sidecar')}, code {code}",
         "Python": f"{platform.python_version()} ({sys.executable})",
-        "worker": f"`sidecar/fakeengine/dynamo.py` --backend {BACKEND} --mode aggregated "
+        "worker": f"`fakeengine/dynamo.py` --backend {BACKEND} --mode aggregated "
         "--health-check-payload (the vLLM worker's canary payload registered)",
     }
 
@@ -834,7 +834,7 @@ Reproduce (from the repository root, as root: the script enters a private networ
 - machine: {machine}
 - shared with other engineers' work (load average {loads[0]} at the start, {loads[1]} at the
   end), so single runs can be slower
-- the code: `bench/dynamo_canary.py`; the worker `sidecar/fakeengine/dynamo.py`; processes from
+- the code: `bench/dynamo_canary.py`; the worker `fakeengine/dynamo.py`; processes from
   `tests/harness.py` and `tests/dynamo_worker.py`, each in its own process group, ended by it
 
 Versions:

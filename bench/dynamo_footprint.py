@@ -5,9 +5,9 @@
 Two sidecars run at the same time on the same machine, each with canaries every second
 (``DYN_HEALTH_CHECK_ENABLED=true``, ``DYN_CANARY_WAIT_TIME=1``, everything else its default):
 
-- ``SIDECAR_TRANSPORT=http`` against the fake vLLM engine (``python -m sidecar.fakeengine
+- ``SIDECAR_TRANSPORT=http`` against the fake vLLM engine (``python -m fakeengine
   --backend vllm``, as ``tests/harness.py`` starts it);
-- ``SIDECAR_TRANSPORT=dynamo`` against a fake Dynamo worker (``sidecar/fakeengine/dynamo.py``
+- ``SIDECAR_TRANSPORT=dynamo`` against a fake Dynamo worker (``fakeengine/dynamo.py``
   --backend vllm on the real runtime, its own canary off), with the Dynamo runtime client in the
   sidecar's process.
 
@@ -277,10 +277,10 @@ canary every second (`DYN_HEALTH_CHECK_ENABLED=true`, `DYN_CANARY_WAIT_TIME=1`, 
 its default):
 
 - **http**: `SIDECAR_TRANSPORT=http` against the fake vLLM engine
-  (`python -m sidecar.fakeengine --backend vllm`): each canary a `POST /v1/completions`; the
+  (`python -m fakeengine --backend vllm`): each canary a `POST /v1/completions`; the
   engine's `/health` and `/metrics` read every second;
 - **dynamo**: `SIDECAR_TRANSPORT=dynamo` against a fake Dynamo worker
-  (`sidecar/fakeengine/dynamo.py --backend vllm`, the real runtime, its own canary off): each
+  (`fakeengine/dynamo.py --backend vllm`, the real runtime, its own canary off): each
   canary over the request plane straight to the worker's instance, through the Dynamo runtime
   client (ai-dynamo-runtime, a compiled Rust extension) in the sidecar's process; the worker's
   `/metrics` and `/health` read every second.

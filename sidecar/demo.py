@@ -3,12 +3,13 @@
 Reads the configuration as ``serve`` does (environment, then ``--env-file``), with demo defaults
 for what neither sets: canaries on, a short wait. Uses the engine at SIDECAR_ENGINE_URL when one
 answers there; otherwise starts the bundled fake engine of the configured backend and role
-(``python -m sidecar.fakeengine``) on a free loopback port, and ends it on exit.
+(``python -m fakeengine``) on a free loopback port, and ends it on exit.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import signal
 import socket
@@ -63,8 +64,13 @@ def _engine_answers(url: str) -> bool:
 
 @contextlib.contextmanager
 def _fake_engine(backend: str, mode: str) -> Iterator[str]:
+    if importlib.util.find_spec("fakeengine") is None:  # the image installs the sidecar alone
+        raise SystemExit(
+            "health-sidecar demo: no engine answers and the fake engine is not installed "
+            "(pip install -e . from a clone has it)"
+        )
     port_file = Path(tempfile.mkdtemp(prefix="health-sidecar-demo-")) / "port"
-    argv = [sys.executable, "-m", "sidecar.fakeengine", "--backend", backend, "--mode", mode]
+    argv = [sys.executable, "-m", "fakeengine", "--backend", backend, "--mode", mode]
     argv += ["--host", LOOPBACK, "--port", "0", "--port-file", str(port_file)]
     proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, start_new_session=True)
     try:
@@ -100,11 +106,10 @@ def run(settings: Settings) -> int:
             )
             url = stack.enter_context(_fake_engine(backend, mode))
             settings = settings.model_copy(update={"engine_url": url})
+            fault = f"curl -s -X POST {url}/_fake/fault -H 'Content-Type: application/json'"
             hint = (
-                f"  hang the engine's GPU loop:  curl -s -X POST {url}/_fake/fault "
-                """-d '{"hang_generation": true}'\n"""
-                f"  and release it:              curl -s -X POST {url}/_fake/fault "
-                """-d '{"hang_generation": false}'\n"""
+                f"""  hang the engine's GPU loop:  {fault} -d '{{"hang_generation": true}}'\n"""
+                f"""  and release it:              {fault} -d '{{"hang_generation": false}}'\n"""
             )
         print(
             f"demo: sidecar on {base} (Ctrl-C to stop). Try:\n"

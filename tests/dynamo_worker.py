@@ -1,6 +1,6 @@
 """Dynamo workers and a Dynamo client for tests: the fake worker and a runtime client process.
 
-:class:`FakeDynamoWorker` starts ``python -m sidecar.fakeengine.dynamo``, a real Dynamo worker on
+:class:`FakeDynamoWorker` starts ``python -m fakeengine.dynamo``, a real Dynamo worker on
 the real runtime (file discovery in a test's private directory, TCP request plane, everything
 on loopback) whose handler applies a backend's role rules and takes faults from a control port.
 :class:`DynamoClient` starts ``python -m tests.dynamo_worker client``: a long-lived process
@@ -109,7 +109,7 @@ def _read_port(path: Path) -> int | None:
 
 
 class FakeDynamoWorker:
-    """``python -m sidecar.fakeengine.dynamo``: a real Dynamo worker with a backend's role rules,
+    """``python -m fakeengine.dynamo``: a real Dynamo worker with a backend's role rules,
     its system server on a free port below 32768, its control server on another."""
 
     def __init__(
@@ -168,7 +168,7 @@ class FakeDynamoWorker:
         """Start the process without waiting (see :meth:`wait_started`)."""
         port_file = self.workdir / "control-port"
         port_file.unlink(missing_ok=True)
-        argv = [sys.executable, "-m", "sidecar.fakeengine.dynamo", "--backend", self.backend]
+        argv = [sys.executable, "-m", "fakeengine.dynamo", "--backend", self.backend]
         argv += ["--mode", self.mode, "--namespace", self.namespace]
         argv += ["--control-port-file", str(port_file)]
         if self.health_check_payload:
@@ -407,7 +407,7 @@ async def _serve_client(args: argparse.Namespace) -> int:
     import uvicorn
     from fastapi import FastAPI
 
-    from sidecar.fakeengine.cli import bind_socket, write_port_file
+    from fakeengine.cli import bind_socket, write_port_file
 
     caller = _Caller(args.discovery_backend, args.request_plane)
     app = FastAPI(openapi_url=None)

@@ -175,7 +175,7 @@ def base_env() -> dict[str, str]:
 
 
 class FakeEngine:
-    """``python -m sidecar.fakeengine`` on a free loopback port, restartable on the same port."""
+    """``python -m fakeengine`` on a free loopback port, restartable on the same port."""
 
     def __init__(self, backend: str, mode: str = "aggregated", *extra: str) -> None:
         self.backend, self.mode, self.extra = backend, mode, list(extra)
@@ -189,7 +189,7 @@ class FakeEngine:
 
     def start(self, *extra: str, wait: bool = True) -> FakeEngine:
         port_file = Path(tempfile.mkdtemp(prefix="fakeengine-")) / "port"
-        argv = [sys.executable, "-m", "sidecar.fakeengine", "--backend", self.backend]
+        argv = [sys.executable, "-m", "fakeengine", "--backend", self.backend]
         argv += ["--mode", self.mode, "--host", LOOPBACK, "--port", str(self.port or 0)]
         argv += ["--port-file", str(port_file), *self.extra, *extra]
         self.proc = Proc(argv, base_env(), f"fakeengine-{self.backend}-{self.mode}")

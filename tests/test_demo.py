@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import re
 import signal
+import subprocess
 import sys
 
 import httpx
@@ -74,5 +76,52 @@ def test_demo_honours_the_env_file_and_starts_the_configured_fake_engine(tmp_pat
         assert 'mode="decode"' in metrics
         demo.popen.send_signal(signal.SIGINT)
         assert demo.popen.wait(10) == 0
+    finally:
+        demo.stop()
+
+
+def printed_commands(output: str) -> dict[str, str]:
+    """The commands the demo prints under "Try:", by what each line says it does."""
+    commands = {}
+    for line in output.splitlines():
+        label, sep, command = line.strip().partition(":  ")
+        command = command.strip() if sep else label
+        if command.startswith("curl "):
+            commands[label.strip() if sep else command.split()[-1]] = command
+    return commands
+
+
+def shell(command: str) -> str:
+    done = subprocess.run(
+        ["bash", "-c", command], capture_output=True, text=True, timeout=10, env=base_env()
+    )
+    assert done.returncode == 0, (command, done.stderr)
+    return done.stdout
+
+
+def test_the_commands_the_demo_prints_work_when_pasted():
+    nothing_there = f"http://{LOOPBACK}:{free_port()}"
+    quick = {"DYN_CANARY_WAIT_TIME": "1", "DYN_HEALTH_CHECK_REQUEST_TIMEOUT": "0.5"}
+    demo, url = start_demo({"SIDECAR_ENGINE_URL": nothing_there} | quick)
+    try:
+        commands = printed_commands(demo.output())
+        assert set(commands) == {
+            f"{url}/health",
+            f"{url}/live",
+            f"{url}/metrics",
+            "hang the engine's GPU loop",
+            "and release it",
+        }, demo.output()
+        assert json.loads(shell(commands[f"{url}/health"]))["status"] == "ready"
+        assert json.loads(shell(commands[f"{url}/live"]))["status"] == "live"
+        assert "health_sidecar_ready 1.0" in shell(commands[f"{url}/metrics"])
+
+        def status() -> str:
+            return json.loads(shell(commands[f"{url}/health"]))["status"]
+
+        shell(commands["hang the engine's GPU loop"])
+        wait_until(lambda: status() == "notready", 5, interval=0.1, what="notready after the hang")
+        shell(commands["and release it"])
+        wait_until(lambda: status() == "ready", 5, interval=0.1, what="ready after the release")
     finally:
         demo.stop()

@@ -1,6 +1,6 @@
 """The sidecar canaries a Dynamo worker over Dynamo's own request plane (SIDECAR_TRANSPORT=dynamo).
 
-Every worker here is the fake Dynamo worker (``sidecar.fakeengine.dynamo``): a real worker on the
+Every worker here is the fake Dynamo worker (``fakeengine.dynamo``): a real worker on the
 real runtime, with each backend's handler rules (TensorRT-LLM decode's "Disaggregated params are
 required for decode mode", SGLang decode's missing bootstrap_info) and faults. The sidecar is
 started as users start it, with the worker's system server as SIDECAR_ENGINE_URL and the

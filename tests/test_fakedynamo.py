@@ -1,4 +1,4 @@
-"""The fake Dynamo worker (``python -m sidecar.fakeengine.dynamo``) as a runtime client sees it.
+"""The fake Dynamo worker (``python -m fakeengine.dynamo``) as a runtime client sees it.
 
 Every request goes through the real Dynamo runtime: a client process (``tests.dynamo_worker``)
 sends it straight to one worker's instance over the TCP request plane, with a whole-answer
@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from sidecar.fakeengine.dynamo import (
+from fakeengine.dynamo import (
     HEALTH_CHECK_KEY,
     MISSING_TOKENS_ERROR,
     SGLANG_DECODE_ERROR,

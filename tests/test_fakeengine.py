@@ -1,4 +1,4 @@
-"""End-to-end tests of ``python -m sidecar.fakeengine``, each engine a real process on 127.0.0.1."""
+"""End-to-end tests of ``python -m fakeengine``, each engine a real process on 127.0.0.1."""
 
 from __future__ import annotations
 
@@ -126,7 +126,7 @@ class Launcher:
         log = self.workdir / f"engine-{n}.log"
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-        command = [sys.executable, "-m", "sidecar.fakeengine", "--host", HOST, "--port", str(port)]
+        command = [sys.executable, "-m", "fakeengine", "--host", HOST, "--port", str(port)]
         with log.open("wb") as sink:
             proc = subprocess.Popen(
                 [*command, "--port-file", str(port_file), *args],
@@ -737,7 +737,7 @@ def test_sglang_transfer_backend_fake_refused_by_prefill_only(
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     port_file = tmp_path / "prefill.port"
-    command = [sys.executable, "-m", "sidecar.fakeengine", "--port", "0"]
+    command = [sys.executable, "-m", "fakeengine", "--port", "0"]
     command += ["--port-file", str(port_file), "--disaggregation-transfer-backend", "fake"]
     refused = subprocess.run(
         [*command, "--backend", "sglang", "--mode", "prefill"],
@@ -1072,7 +1072,7 @@ def test_vllm_sleep_routes_need_dev_mode(vllm: Engine) -> None:
 def test_dev_mode_is_vllm_only() -> None:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    command = [sys.executable, "-m", "sidecar.fakeengine", "--backend", "sglang", "--dev-mode"]
+    command = [sys.executable, "-m", "fakeengine", "--backend", "sglang", "--dev-mode"]
     refused = subprocess.run(
         [*command, "--port", "0"], capture_output=True, text=True, env=env, timeout=30
     )
@@ -1616,7 +1616,7 @@ def test_sglang_dp_one_wedged_rank_freezes_its_series(launch: Callable[..., Engi
 def test_dp_size_is_for_vllm_and_sglang_only(backend: str) -> None:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    command = [sys.executable, "-m", "sidecar.fakeengine", "--backend", backend, "--port", "0"]
+    command = [sys.executable, "-m", "fakeengine", "--backend", backend, "--port", "0"]
     refused = subprocess.run(
         [*command, "--dp-size", "2"], capture_output=True, text=True, env=env, timeout=30
     )

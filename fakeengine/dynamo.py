@@ -1,6 +1,6 @@
 """A fake Dynamo worker on the real Dynamo runtime, with each backend's role rules and faults.
 
-Run ``python -m sidecar.fakeengine.dynamo --backend trtllm --mode decode --control-port-file F``
+Run ``python -m fakeengine.dynamo --backend trtllm --mode decode --control-port-file F``
 with Dynamo's usual environment (``DYN_FILE_KV``, ``DYN_SYSTEM_PORT``, the loopback host
 variables). It is a real worker: it serves ``<namespace>.prefill.generate`` (prefill) or
 ``<namespace>.backend.generate`` (aggregated, decode) on the real request plane, with the real
@@ -57,10 +57,10 @@ import uvicorn
 from fastapi import FastAPI, HTTPException
 from pydantic import BaseModel, ConfigDict, Field
 
-from sidecar.fakeengine.cli import bind_socket, write_port_file
-from sidecar.fakeengine.state import FAKE_BOOTSTRAP_HOST
+from fakeengine.cli import bind_socket, write_port_file
+from fakeengine.state import FAKE_BOOTSTRAP_HOST
 
-logger = logging.getLogger("sidecar.fakeengine.dynamo")
+logger = logging.getLogger("fakeengine.dynamo")
 
 Backend = Literal["vllm", "sglang", "trtllm"]
 Role = Literal["aggregated", "prefill", "decode"]
@@ -429,7 +429,7 @@ def build_control_app(state: WorkerState) -> FastAPI:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m sidecar.fakeengine.dynamo",
+        prog="python -m fakeengine.dynamo",
         description="A fake Dynamo worker on the real runtime, with each backend's role rules.",
         epilog="Dynamo's variables (DYN_FILE_KV, DYN_SYSTEM_PORT, DYN_*_HOST) come from the "
         "environment, as for a real worker. The control server: POST /fault with any of "

@@ -24,10 +24,10 @@ from prometheus_client.core import (
 )
 from pydantic import BaseModel
 
-from sidecar.fakeengine.backends.base import Backend, new_id
-from sidecar.fakeengine.responses import ApiError, RankOutOfRange, json_response, status_type
-from sidecar.fakeengine.schemas import OpenAIRequest
-from sidecar.fakeengine.state import EngineState, Job, PauseMode, RankStats
+from fakeengine.backends.base import Backend, new_id
+from fakeengine.responses import ApiError, RankOutOfRange, json_response, status_type
+from fakeengine.schemas import OpenAIRequest
+from fakeengine.state import EngineState, Job, PauseMode, RankStats
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from sidecar.fakeengine.state import count_text_tokens
+from fakeengine.state import count_text_tokens
 
 DEFAULT_MAX_TOKENS = 16
 MEDIA_PART_TYPES = frozenset({"image_url", "input_image", "image", "audio_url", "input_audio"})

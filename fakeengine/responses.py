@@ -10,7 +10,7 @@ from typing import Any
 
 from fastapi.responses import Response, StreamingResponse
 
-from sidecar.fakeengine.state import GarbageKind
+from fakeengine.state import GarbageKind
 
 JSON_MEDIA_TYPE = "application/json"
 HTML_ERROR_PAGE = (

@@ -16,9 +16,9 @@ from types import FrameType
 
 import uvicorn
 
-from sidecar.fakeengine.app import build_app
-from sidecar.fakeengine.backends import BACKENDS
-from sidecar.fakeengine.state import (
+from fakeengine.app import build_app
+from fakeengine.backends import BACKENDS
+from fakeengine.state import (
     BACKEND_NAMES,
     DEFAULT_TRANSFER_BACKEND,
     MODES,
@@ -30,7 +30,7 @@ from sidecar.fakeengine.state import (
     Faults,
 )
 
-logger = logging.getLogger("sidecar.fakeengine")
+logger = logging.getLogger("fakeengine")
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 #: How long in-flight (possibly hung) requests may delay a SIGTERM/SIGINT shutdown.
@@ -42,10 +42,10 @@ DP_BACKENDS = ("vllm", "sglang")
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m sidecar.fakeengine",
+        prog="python -m fakeengine",
         description="Fake LLM inference engine speaking vLLM, SGLang, TRT-LLM or llama.cpp HTTP.",
         epilog="Faults are injected at run time with POST /_fake/fault, a JSON object with any of "
-        f"{', '.join(Faults.model_fields)} (see Faults in sidecar/fakeengine/state.py); GET "
+        f"{', '.join(Faults.model_fields)} (see Faults in fakeengine/state.py); GET "
         "/_fake/fault shows them, POST /_fake/reset clears them, GET /_fake/state and "
         "/_fake/requests show what the engine saw.",
     )

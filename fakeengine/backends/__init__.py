@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from sidecar.fakeengine.backends.base import Backend
-from sidecar.fakeengine.backends.llamacpp import LlamaCppBackend
-from sidecar.fakeengine.backends.sglang import SglangBackend
-from sidecar.fakeengine.backends.trtllm import TrtllmBackend
-from sidecar.fakeengine.backends.vllm import VllmBackend
+from fakeengine.backends.base import Backend
+from fakeengine.backends.llamacpp import LlamaCppBackend
+from fakeengine.backends.sglang import SglangBackend
+from fakeengine.backends.trtllm import TrtllmBackend
+from fakeengine.backends.vllm import VllmBackend
 
 BACKENDS: dict[str, type[Backend]] = {
     backend.name: backend

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from fastapi import FastAPI
 
-from sidecar.fakeengine.admin import admin_router
-from sidecar.fakeengine.backends import BACKENDS
-from sidecar.fakeengine.state import EngineState
+from fakeengine.admin import admin_router
+from fakeengine.backends import BACKENDS
+from fakeengine.state import EngineState
 
 
 def build_app(state: EngineState) -> FastAPI:

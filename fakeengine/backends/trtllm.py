@@ -10,10 +10,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response
 from prometheus_client.core import Metric
 
-from sidecar.fakeengine.backends.base import Backend, counter, gauge, new_id
-from sidecar.fakeengine.responses import ApiError, json_response, status_type
-from sidecar.fakeengine.schemas import OpenAIRequest
-from sidecar.fakeengine.state import Job
+from fakeengine.backends.base import Backend, counter, gauge, new_id
+from fakeengine.responses import ApiError, json_response, status_type
+from fakeengine.schemas import OpenAIRequest
+from fakeengine.state import Job
 
 UNAVAILABLE = "LLM is unavailable. Please check the server logs for more details."
 REQUEST_TYPES = ("context_only", "generation_only", "context_and_generation")

@@ -47,10 +47,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import choose_encoder, gzip_accepted
 from pydantic import BaseModel
 
-from sidecar.fakeengine.backends.base import Backend, new_id
-from sidecar.fakeengine.responses import ApiError, json_response, sse_response
-from sidecar.fakeengine.schemas import GenerateRequest, OpenAIRequest
-from sidecar.fakeengine.state import (
+from fakeengine.backends.base import Backend, new_id
+from fakeengine.responses import ApiError, json_response, sse_response
+from fakeengine.schemas import GenerateRequest, OpenAIRequest
+from fakeengine.state import (
     FAKE_BOOTSTRAP_HOST,
     EngineState,
     Job,

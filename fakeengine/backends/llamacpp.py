@@ -10,10 +10,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from prometheus_client.core import Metric
 
-from sidecar.fakeengine.backends.base import Backend, counter, gauge, new_id
-from sidecar.fakeengine.responses import ApiError, json_response, sse_response
-from sidecar.fakeengine.schemas import LlamaCompletionRequest
-from sidecar.fakeengine.state import Job, detokenize
+from fakeengine.backends.base import Backend, counter, gauge, new_id
+from fakeengine.responses import ApiError, json_response, sse_response
+from fakeengine.schemas import LlamaCompletionRequest
+from fakeengine.state import Job, detokenize
 
 LOADING_MESSAGE = "Loading model"
 _ERROR_TYPES = {

@@ -21,7 +21,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 from pydantic import BaseModel, ValidationError
 
-from sidecar.fakeengine.responses import (
+from fakeengine.responses import (
     ApiError,
     ClientGone,
     RankOutOfRange,
@@ -29,8 +29,8 @@ from sidecar.fakeengine.responses import (
     json_response,
     sse_response,
 )
-from sidecar.fakeengine.schemas import ChatRequest, CompletionRequest, OpenAIRequest
-from sidecar.fakeengine.state import (
+from fakeengine.schemas import ChatRequest, CompletionRequest, OpenAIRequest
+from fakeengine.state import (
     EngineConfig,
     EngineState,
     EngineStopping,

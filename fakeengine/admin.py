@@ -6,7 +6,7 @@ from typing import Any
 
 from fastapi import APIRouter, HTTPException
 
-from sidecar.fakeengine.state import EngineState, Faults
+from fakeengine.state import EngineState, Faults
 
 
 def admin_router(state: EngineState) -> APIRouter:

@@ -1,0 +1,3 @@
+from fakeengine.cli import main
+
+raise SystemExit(main())

@@ -1,3 +1,0 @@
-from sidecar.fakeengine.cli import main
-
-raise SystemExit(main())
