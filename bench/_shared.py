@@ -1,6 +1,6 @@
 """Helpers shared by the benchmark scripts: /proc readings, wrk, the bare app, machine etiquette.
 
-Processes come from ``tests.harness`` (their own process group each, ended by it, 127.0.0.1
+Processes come from ``tests.support.harness`` (their own process group each, ended by it, 127.0.0.1
 only). Nothing here needs psutil: resident memory is ``VmRSS`` from ``/proc/PID/status`` and CPU
 time is ``utime + stime`` from ``/proc/PID/stat``.
 """
@@ -22,7 +22,7 @@ from typing import Any
 
 import httpx
 
-from tests.harness import LOOPBACK, ROOT, Proc, base_env, free_port, wait_until
+from tests.support.harness import LOOPBACK, ROOT, Proc, base_env, free_port, wait_until
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 OTHER_BENCHMARKS = ("bench.fault_matrix", "bench/fault_matrix")

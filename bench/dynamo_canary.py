@@ -3,7 +3,7 @@
     .venv/bin/python -m bench.dynamo_canary [--reps 3] [--seed S] [--only SCENARIO ...] [--out F]
 
 The script enters a private network namespace of its own first (Dynamo's event plane listens on
-0.0.0.0: ``tests/netns.py``; needs root), so every process it starts lives there. Each
+0.0.0.0: ``tests/support/netns.py``; needs root), so every process it starts lives there. Each
 repetition then starts a fresh fake Dynamo worker (``fakeengine/dynamo.py`` on the real
 runtime: file discovery in a private directory, TCP request plane, loopback only) with its
 canary payload registered and Dynamo's own canary on (``DYN_HEALTH_CHECK_ENABLED=true``,
@@ -53,10 +53,10 @@ from typing import Any
 import httpx
 
 from bench._shared import code_version, counts, cpu_model, load_average, seconds
-from tests.dynamo_worker import FakeDynamoWorker, dynamo_env
-from tests.dynamo_worker import sidecar_env as dynamo_sidecar_env
-from tests.harness import LOOPBACK, ROOT, Sidecar, base_env, wait_until
-from tests.netns import private_network, unavailable
+from tests.support.dynamo_worker import FakeDynamoWorker, dynamo_env
+from tests.support.dynamo_worker import sidecar_env as dynamo_sidecar_env
+from tests.support.harness import LOOPBACK, ROOT, Sidecar, base_env, wait_until
+from tests.support.netns import private_network, unavailable
 
 POLL = 0.05  # seconds between two reads of each /health
 POLL_TIMEOUT = 1.0  # a read that gets no answer within this is "no answer"
@@ -835,7 +835,8 @@ Reproduce (from the repository root, as root: the script enters a private networ
 - shared with other engineers' work (load average {loads[0]} at the start, {loads[1]} at the
   end), so single runs can be slower
 - the code: `bench/dynamo_canary.py`; the worker `fakeengine/dynamo.py`; processes from
-  `tests/harness.py` and `tests/dynamo_worker.py`, each in its own process group, ended by it
+  `tests/support/harness.py` and `tests/support/dynamo_worker.py`, each in its own process group,
+  ended by it
 
 Versions:
 

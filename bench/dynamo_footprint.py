@@ -6,7 +6,7 @@ Two sidecars run at the same time on the same machine, each with canaries every 
 (``DYN_HEALTH_CHECK_ENABLED=true``, ``DYN_CANARY_WAIT_TIME=1``, everything else its default):
 
 - ``SIDECAR_TRANSPORT=http`` against the fake vLLM engine (``python -m fakeengine
-  --backend vllm``, as ``tests/harness.py`` starts it);
+  --backend vllm``, as ``tests/support/harness.py`` starts it);
 - ``SIDECAR_TRANSPORT=dynamo`` against a fake Dynamo worker (``fakeengine/dynamo.py``
   --backend vllm on the real runtime, its own canary off), with the Dynamo runtime client in the
   sidecar's process.
@@ -15,7 +15,8 @@ For each: VmRSS, threads and open file descriptors of the sidecar's process at i
 and every 100 canaries up to ``--canaries`` (counted by ``health_sidecar_canary_total``), and its
 CPU time (utime + stime) over that stretch divided by the wall time: an idle sidecar's cost,
 canaries included. The script enters a private network namespace first (Dynamo's event plane
-listens on 0.0.0.0: ``tests/netns.py``; needs root). Figures are side by side in one run on a
+listens on 0.0.0.0: ``tests/support/netns.py``; needs root). Figures are side by side in one run on
+a
 shared machine, never assertions.
 """
 
@@ -38,9 +39,9 @@ from pathlib import Path
 
 from bench._shared import cpu_seconds, load_average, metric_sum, open_fds, rss_mb
 from bench.dynamo_canary import code_line, code_state
-from tests.dynamo_worker import FakeDynamoWorker, dynamo_env
-from tests.harness import ROOT, FakeEngine, Sidecar
-from tests.netns import private_network, unavailable
+from tests.support.dynamo_worker import FakeDynamoWorker, dynamo_env
+from tests.support.harness import ROOT, FakeEngine, Sidecar
+from tests.support.netns import private_network, unavailable
 
 EVERY = 100  # canaries between two samples
 # Seconds between two reads of a sidecar's /metrics (its canary count): each read costs the

@@ -35,7 +35,7 @@ from typing import Any
 import httpx
 
 from bench._shared import cpu_seconds, load_average, wait_for_quiet_machine
-from tests.harness import FakeEngine, Sidecar, running
+from tests.support.harness import FakeEngine, Sidecar, running
 
 
 def is_canary(request: dict[str, Any]) -> bool:

@@ -14,7 +14,7 @@ own health route, where a row shows it, is polled beside them. The full run writ
 
 The SGLang scenarios (``sglang-*``) need root: SGLang's scheduler listens on all interfaces, so
 the whole run then happens in a private network namespace with only loopback
-(:mod:`tests.netns`), entered before any thread or process of the run starts.
+(:mod:`tests.support.netns`), entered before any thread or process of the run starts.
 """
 
 from __future__ import annotations
@@ -42,14 +42,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench._shared import code_version, counts, cpu_model, seconds
 from bench.baseline import DynamoCanaryLoop, Timeline
-from tests.engines import Dynamo, LlamaServer, engine_paths
-from tests.harness import ROOT, FakeEngine, Sidecar, base_env
-from tests.netns import private_network, unavailable
-from tests.sglang_engine import SCHEDULER as SGLANG_SCHEDULER
-from tests.sglang_engine import SglangServer
-from tests.vllm_engine import VllmServer
+from tests.support.engines import Dynamo, LlamaServer, engine_paths
+from tests.support.harness import ROOT, FakeEngine, Sidecar, base_env
+from tests.support.netns import private_network, unavailable
+from tests.support.sglang_engine import SCHEDULER as SGLANG_SCHEDULER
+from tests.support.sglang_engine import SglangServer
+from tests.support.vllm_engine import VllmServer
 
-MODEL = "tiny"  # llama-server's --alias and the mocker's --model-name (tests/engines.py)
+MODEL = "tiny"  # llama-server's --alias and the mocker's --model-name (tests/support/engines.py)
 POLL = 0.05  # seconds between reads of the sidecar's /health
 CAP = 90.0  # longest wait for any one transition
 HOLD = 20.0  # how long a freeze lasts in the freeze scenarios
@@ -595,7 +595,7 @@ def lease_results(
 ) -> Rep:
     rep = results(rig, fault, recovery, before)
     worker = rig.extra[WORKER_HEALTH].timeline
-    note = "canary off (as tests/engines.py starts it); no answer while paused"
+    note = "canary off (as tests/support/engines.py starts it); no answer while paused"
     rep.probers[WORKER_HEALTH] = measure(worker, fault, recovery, None, note)
     worker_status, worker_body = stack.worker_health()
     _, sidecar_body = rig.sidecar.health()
@@ -874,7 +874,7 @@ def check_private(server: SglangServer) -> None:
 async def sglang_server(
     *, dp_size: int = 1, max_running_requests: int | None = None
 ) -> AsyncIterator[SglangServer]:
-    """A started SGLang (tests/sglang_engine.py), ended with its process group on exit."""
+    """A started SGLang (tests/support/sglang_engine.py), ended with its process group on exit."""
     server = SglangServer(dp_size=dp_size, max_running_requests=max_running_requests)
     try:
         await asyncio.to_thread(server.start)
@@ -1462,7 +1462,8 @@ list are set, as in `config/llamacpp-aggregated.env`; the Dynamo scenario points
 LOAD_TEXT = """\
 The load generator runs in the benchmark's process: each client sends streaming completions
 (`max_tokens` 32, prompt "hello") back to back and notifies the baselines of every chunk.
-llama-server runs as `tests/engines.py` starts it (`-c 512 -t 1 -np 1 --metrics`): one request
+llama-server runs as `tests/support/engines.py` starts it (`-c 512 -t 1 -np 1 --metrics`): one
+request
 runs, the others wait in its queue.
 """
 
@@ -1501,7 +1502,8 @@ NOTES = """\
   the baseline: both depend on when their next canary is due. Both send their canary through the
   frontend, so both see the model disappear (HTTP 404) and stay 503: a paused-and-resumed worker
   never re-registers. The sidecar keeps re-probing every second (many cheap 404s); the baseline
-  every 10 s. Dynamo's own worker `/health` (canary off, as `tests/engines.py` starts it) does
+  every 10 s. Dynamo's own worker `/health` (canary off, as `tests/support/engines.py` starts it)
+  does
   not answer while the worker is paused (a probe times out) and says 200 `ready` again at once
   after SIGCONT, although the frontend no longer routes to it. Dynamo's own canary goes to the
   engine in-process, so it would not see the 404 either.
@@ -1577,7 +1579,8 @@ For SGLang the load generator's clients ask for {SGLANG_TOKENS} tokens each, wit
 `ignore_eos` (the random-weight model samples its EOS early otherwise; 256 tokens took about
 0.75 s alone on this CPU). {SGLANG_CLIENTS} clients run against `--max-running-requests
 {SGLANG_RUNNING}`: two requests run and one waits in SGLang's queue. SGLang runs as
-`tests/sglang_engine.py` starts it: niced, its CPU engine, `--sleep-on-idle`, `--enable-metrics`
+`tests/support/sglang_engine.py` starts it: niced, its CPU engine, `--sleep-on-idle`,
+`--enable-metrics`
 (the full command line is in that file).
 """
 

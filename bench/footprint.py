@@ -41,7 +41,7 @@ from bench._shared import (
     rss_mb,
     wait_for_quiet_machine,
 )
-from tests.harness import FakeEngine, Sidecar, running
+from tests.support.harness import FakeEngine, Sidecar, running
 
 LISTED = '["generate"]'
 

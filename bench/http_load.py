@@ -46,7 +46,7 @@ from bench._shared import (
     run_wrk,
     wait_for_quiet_machine,
 )
-from tests.harness import FakeEngine, Sidecar
+from tests.support.harness import FakeEngine, Sidecar
 
 OUTCOMES = ("success", "timeout", "error", "refused", "invalid")
 

@@ -1,7 +1,8 @@
 """Soak: the engine killed and restarted every minute for half an hour; verdicts and memory.
 
 A benchmark, not a CI test. The sidecar runs with canaries on and every other setting at its
-default against llama.cpp's ``llama-server`` (``tests.engines.LlamaServer``, the tiny GGUF; the
+default against llama.cpp's ``llama-server`` (``tests.support.engines.LlamaServer``, the tiny GGUF;
+the
 binary cached by ``scripts/prepare_engines.sh``) when it is available, else against the fake
 vLLM engine. Every ``--restart-every`` seconds (60) the engine gets SIGKILL; it starts again on
 the same port ``--down-seconds`` (10) later, without restarting the sidecar.
@@ -33,8 +34,8 @@ from typing import Any, Protocol
 import httpx
 
 from bench._shared import load_average, median, metric_sum, open_fds, rss_mb, wait_for_quiet_machine
-from tests.engines import LlamaServer, engine_paths
-from tests.harness import ROOT, FakeEngine, Sidecar
+from tests.support.engines import LlamaServer, engine_paths
+from tests.support.harness import ROOT, FakeEngine, Sidecar
 
 DOC = ROOT / "docs" / "benchmarks.md"
 BEGIN, END = "<!-- soak:begin -->", "<!-- soak:end -->"

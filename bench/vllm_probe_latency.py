@@ -22,8 +22,8 @@ from contextlib import contextmanager, nullcontext
 
 import httpx
 
-from tests.harness import ROOT, Proc, Sidecar, base_env, free_port, wait_until
-from tests.vllm_engine import GREEDY, MODEL, VllmServer, prompt_ids
+from tests.support.harness import ROOT, Proc, Sidecar, base_env, free_port, wait_until
+from tests.support.vllm_engine import GREEDY, MODEL, VllmServer, prompt_ids
 
 OUT = ROOT / "docs" / "benchmarks.md"
 BEGIN, END = "<!-- vllm-probe-latency:begin -->", "<!-- vllm-probe-latency:end -->"

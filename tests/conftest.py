@@ -4,7 +4,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from tests.harness import FakeEngine, Sidecar
+from tests.support.harness import FakeEngine, Sidecar
 
 # Short timings keep the suite fast and steady on a busy 2-core machine.
 FAST = {

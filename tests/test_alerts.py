@@ -19,7 +19,6 @@ set) they fail instead, since .ci/run prepares them first.
 
 from __future__ import annotations
 
-import os
 import shutil
 import signal
 import subprocess
@@ -32,7 +31,8 @@ import httpx
 import pytest
 import yaml
 
-from tests.harness import LOOPBACK, ROOT, Proc, base_env, free_port, wait_until
+from tests.support.harness import LOOPBACK, ROOT, Proc, base_env, free_port, wait_until
+from tests.support.prerequisites import missing as prerequisite_missing
 
 PREPARE = "scripts/prepare_prometheus.sh"
 MONITORING = ROOT / "deploy" / "monitoring"
@@ -52,10 +52,7 @@ def require(*tools: str) -> dict[str, str]:
     found = {tool: shutil.which(tool) for tool in tools}
     missing = [tool for tool, path in found.items() if path is None]
     if missing:
-        message = f"{', '.join(missing)} missing: run {PREPARE}"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
+        prerequisite_missing(f"{', '.join(missing)} missing: run {PREPARE}")
     return {tool: str(path) for tool, path in found.items()}
 
 

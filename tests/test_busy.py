@@ -14,8 +14,8 @@ from contextlib import contextmanager
 
 import httpx
 
-from tests.harness import FakeEngine, wait_until
-from tests.test_e2e_fake import metric
+from tests.support.exposition import metric
+from tests.support.harness import FakeEngine, wait_until
 
 STALL = 2.5
 ENV = {

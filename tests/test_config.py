@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from sidecar.config import Backend, ConfigError, Mode, Settings, load_settings
-from tests.harness import ROOT, base_env
+from tests.support.harness import ROOT, base_env
 
 
 def settings_from(monkeypatch: pytest.MonkeyPatch, **env: str) -> Settings:

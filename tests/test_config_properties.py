@@ -35,7 +35,7 @@ from hypothesis import strategies as st
 
 from sidecar import config
 from sidecar.config import ConfigError, Settings, load_settings
-from tests.harness import LOOPBACK, ROOT, base_env, free_port
+from tests.support.harness import LOOPBACK, ROOT, base_env, free_port
 
 PROPERTY = settings(
     max_examples=50,

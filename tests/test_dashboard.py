@@ -26,8 +26,8 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.harness import ROOT
-from tests.test_deploy import OLDEST_K8S, need, newest_k8s, run
+from tests.support.deployfiles import OLDEST_K8S, need, newest_k8s, run
+from tests.support.harness import ROOT
 
 promql_parser = pytest.importorskip("promql_parser", reason="pip install -e '.[dev]'")
 pytest.importorskip("grafana_foundation_sdk", reason="pip install -e '.[dev]'")

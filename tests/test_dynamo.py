@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.dynamo_worker import sidecar_env
-from tests.engines import MockerWorker
-from tests.harness import Proc, Sidecar, base_env, wait_until
-from tests.netns import isolated  # noqa: F401 (a fixture)
+from tests.support.dynamo_worker import sidecar_env
+from tests.support.engines import MockerWorker
+from tests.support.harness import Proc, Sidecar, base_env, wait_until
+from tests.support.netns import isolated  # noqa: F401 (a fixture)
 
 WAIT, TIMEOUT = 1.0, 0.5  # conftest.FAST
 BOUND = WAIT + TIMEOUT + 2.0
@@ -158,7 +158,7 @@ def test_a_killed_worker_is_notready(mine, sidecar):
 def proxy(mine) -> Iterator[str]:
     """The worker's system server as Kubernetes discovery serves it (with /metadata)."""
     port_file = Path(tempfile.mkdtemp(prefix="metadata-proxy-")) / "port"
-    argv = [sys.executable, "-m", "tests.metadata_proxy", "--upstream", mine.system_url]
+    argv = [sys.executable, "-m", "tests.support.metadata_proxy", "--upstream", mine.system_url]
     argv += ["--kv-dir", str(mine.kv_dir), "--port-file", str(port_file)]
     proc = Proc(argv, base_env(), "metadata-proxy")
     try:

@@ -23,10 +23,10 @@ from typing import Any
 
 import pytest
 
-from tests.dynamo_worker import DynamoClient, FakeDynamoWorker, sidecar_env
-from tests.harness import ROOT, Sidecar, base_env, wait_until
-from tests.netns import isolated  # noqa: F401 (a fixture)
-from tests.test_e2e_fake import metric
+from tests.support.dynamo_worker import DynamoClient, FakeDynamoWorker, sidecar_env
+from tests.support.exposition import metric
+from tests.support.harness import ROOT, Sidecar, base_env, wait_until
+from tests.support.netns import isolated  # noqa: F401 (a fixture)
 
 BACKENDS = ("vllm", "sglang", "trtllm")
 MODES = ("aggregated", "prefill", "decode")

@@ -18,11 +18,16 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.dynamo_vllm import DynamoVllmWorker, direct_canaries, dynamo_vllm_worker, median_ms
-from tests.dynamo_worker import sidecar_env
-from tests.harness import Sidecar, wait_until
-from tests.netns import isolated  # noqa: F401  (the module's private network namespace)
-from tests.vllm_engine import ENGINE_CORE, WORKER, pause, resume
+from tests.support.dynamo_vllm import (
+    DynamoVllmWorker,
+    direct_canaries,
+    dynamo_vllm_worker,
+    median_ms,
+)
+from tests.support.dynamo_worker import sidecar_env
+from tests.support.harness import Sidecar, wait_until
+from tests.support.netns import isolated  # noqa: F401  (the module's private network namespace)
+from tests.support.vllm_engine import ENGINE_CORE, WORKER, pause, resume
 
 WAIT, TIMEOUT = 1.0, 0.5  # conftest.FAST
 BOUND = WAIT + TIMEOUT + 2.0

@@ -6,13 +6,13 @@ defaults (retry 1 s, failure threshold 2, success threshold 1, registration ever
 
 from __future__ import annotations
 
-import re
 import signal
 import time
 
 import pytest
 
-from tests.harness import wait_until
+from tests.support.exposition import metric
+from tests.support.harness import wait_until
 
 WAIT, TIMEOUT = 1.0, 0.5
 CANARY_ON = {"DYN_HEALTH_CHECK_ENABLED": "true"}
@@ -26,14 +26,6 @@ MATRIX = [
 
 def canaries(fake) -> list[dict]:
     return [r for r in fake.requests() if r["path"] in ("/v1/completions", "/generate")]
-
-
-def metric(text: str, name: str, **labels: str) -> float | None:
-    """One sample's value from a Prometheus exposition."""
-    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
-    pattern = re.escape(name) + (r"\{" + re.escape(want) + r"\}" if want else r"") + r" (\S+)"
-    found = re.search(r"^" + pattern + "$", text, re.M)
-    return float(found.group(1)) if found else None
 
 
 @pytest.mark.parametrize(("backend", "mode", "arrival"), MATRIX)

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from tests.harness import LOOPBACK, free_port, wait_until
+from tests.support.harness import LOOPBACK, free_port, wait_until
 
 CANARY_ON = {"DYN_HEALTH_CHECK_ENABLED": "true"}
 

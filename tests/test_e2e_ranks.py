@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from tests.harness import wait_until
+from tests.support.harness import wait_until
 
 CANARY_ON = {"DYN_HEALTH_CHECK_ENABLED": "true"}
 

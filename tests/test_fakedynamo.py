@@ -1,6 +1,7 @@
 """The fake Dynamo worker (``python -m fakeengine.dynamo``) as a runtime client sees it.
 
-Every request goes through the real Dynamo runtime: a client process (``tests.dynamo_worker``)
+Every request goes through the real Dynamo runtime: a client process
+(``tests.support.dynamo_worker``)
 sends it straight to one worker's instance over the TCP request plane, with a whole-answer
 deadline and ``stop_generating()`` on it, as a canary does. The workers' ``/state`` shows what
 reached the engine. Everything runs in a private network namespace (Dynamo's event plane
@@ -26,9 +27,9 @@ from fakeengine.dynamo import (
     canary_payload,
     greedy_tokens,
 )
-from tests.dynamo_worker import DynamoClient, FakeDynamoWorker
-from tests.harness import wait_until
-from tests.netns import isolated  # noqa: F401  (the module's private network namespace)
+from tests.support.dynamo_worker import DynamoClient, FakeDynamoWorker
+from tests.support.harness import wait_until
+from tests.support.netns import isolated  # noqa: F401  (the module's private network namespace)
 
 #: The module's workers: (backend, role), plus two with a job of their own.
 ROLES = [

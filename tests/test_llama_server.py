@@ -12,9 +12,9 @@ from collections.abc import Callable, Iterator
 import httpx
 import pytest
 
-from tests.engines import LlamaServer
-from tests.harness import Sidecar, wait_until
-from tests.test_e2e_fake import metric
+from tests.support.engines import LlamaServer
+from tests.support.exposition import metric
+from tests.support.harness import Sidecar, wait_until
 
 WAIT, TIMEOUT = 1.0, 0.5
 FROZEN_WHOLE = 1.0 + TIMEOUT + 1.0 + TIMEOUT + 0.5  # see test_ready_then_sigstop_sigcont

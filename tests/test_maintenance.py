@@ -7,7 +7,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.harness import LOOPBACK, free_port, wait_until
+from tests.support.harness import LOOPBACK, free_port, wait_until
 
 TOKEN = "s3cret-control-token"
 

@@ -17,7 +17,7 @@ import yaml
 
 from sidecar.config import Settings, load_settings
 from sidecar.probes import READINESS_TARGET_SECONDS, render, size
-from tests.harness import ROOT, base_env
+from tests.support.harness import ROOT, base_env
 
 CANARY = {
     "DYN_HEALTH_CHECK_ENABLED": "true",

@@ -21,7 +21,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.harness import FakeEngine, Sidecar, running, wait_until
+from tests.support.harness import FakeEngine, Sidecar, running, wait_until
 
 QUIET_DRAIN = {"SIDECAR_DRAIN_TIMEOUT": "0.1"}  # stop promptly at teardown (SIGTERM drains)
 CANARY_ON = QUIET_DRAIN | {

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from tests.harness import LOOPBACK, ROOT, Sidecar, base_env, wait_until
+from tests.support.harness import LOOPBACK, ROOT, Sidecar, base_env, wait_until
 
 QUIET_DRAIN = {"SIDECAR_DRAIN_TIMEOUT": "0.1"}  # stop promptly at teardown (SIGTERM drains)
 CANARY_ON = QUIET_DRAIN | {

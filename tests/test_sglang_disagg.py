@@ -20,9 +20,15 @@ import pytest
 from sidecar.canary.base import Role
 from sidecar.canary.sglang import SglangProber
 from sidecar.config import Mode, ModelType
-from tests.harness import wait_until
-from tests.netns import isolated  # noqa: F401  (the module's private network namespace)
-from tests.sglang_engine import SglangServer, check, sglang_env, sglang_server, sidecar_metric
+from tests.support.harness import wait_until
+from tests.support.netns import isolated  # noqa: F401  (the module's private network namespace)
+from tests.support.sglang_engine import (
+    SglangServer,
+    check,
+    sglang_env,
+    sglang_server,
+    sidecar_metric,
+)
 
 
 def role_body(mode: str) -> dict[str, Any]:

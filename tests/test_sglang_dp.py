@@ -18,9 +18,9 @@ import pytest
 
 from sidecar.canary import plan_canary
 from sidecar.config import Settings
-from tests.harness import wait_until
-from tests.netns import isolated  # noqa: F401  (the module's private network namespace)
-from tests.sglang_engine import SglangServer, check, sglang_env, sglang_server
+from tests.support.harness import wait_until
+from tests.support.netns import isolated  # noqa: F401  (the module's private network namespace)
+from tests.support.sglang_engine import SglangServer, check, sglang_env, sglang_server
 
 WAIT, TIMEOUT = 1.0, 0.5  # conftest.FAST
 BOUND = WAIT + TIMEOUT + 2.0

@@ -17,9 +17,9 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.harness import wait_until
-from tests.netns import isolated  # noqa: F401  (the module's private network namespace)
-from tests.sglang_engine import SglangServer, canary_body, check, sglang_env, sglang_server
+from tests.support.harness import wait_until
+from tests.support.netns import isolated  # noqa: F401  (the module's private network namespace)
+from tests.support.sglang_engine import SglangServer, canary_body, check, sglang_env, sglang_server
 
 WAIT, TIMEOUT = 1.0, 0.5  # conftest.FAST
 BOUND = WAIT + TIMEOUT + 2.0

@@ -31,7 +31,8 @@ from sidecar.health import Health
 from sidecar.history import History, scrub
 from sidecar.metrics import Metrics
 from sidecar.statuspage import render
-from tests.harness import ROOT, Sidecar, base_env, wait_until
+from tests.support.harness import ROOT, Sidecar, base_env, wait_until
+from tests.support.prerequisites import missing as prerequisite_missing
 
 PREPARE = "scripts/prepare_chromium.sh"
 CANARY_ON = {"DYN_HEALTH_CHECK_ENABLED": "true", "SIDECAR_LOG_LEVEL": "DEBUG"}
@@ -249,10 +250,7 @@ def test_page_and_history_ready_then_hung(engine, sidecar) -> None:
 def chromium() -> str:
     found = shutil.which("chromium")
     if found is None:
-        message = f"chromium missing: run {PREPARE}"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
+        prerequisite_missing(f"chromium missing: run {PREPARE}")
     return found
 
 

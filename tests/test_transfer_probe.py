@@ -9,7 +9,7 @@ import pytest
 from sidecar.canary.transfer import REMOTE_DECODE, bodies, generated, probe_prompt, transfer_params
 from sidecar.config import StartingStatus
 from sidecar.verdict import Rule, Verdict, decide_readiness
-from tests.harness import wait_until
+from tests.support.harness import wait_until
 
 R, N = Verdict(True, "ok"), Verdict(False, "canary timeout: the transfer probe did not finish")
 

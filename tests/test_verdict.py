@@ -9,7 +9,6 @@ from dataclasses import replace
 
 import pytest
 
-from sidecar.canary.vllm import VllmProber
 from sidecar.config import StartingStatus
 from sidecar.endpoint import (
     EndpointState,
@@ -47,13 +46,7 @@ from sidecar.verdict import (
     endpoint_verdict,
     engine_disagrees,
 )
-
-POLICY = Policy(
-    failure_threshold=2, success_threshold=1, wait=1.0, retry=1.0, timeout=0.5,
-    liveness_window=10.0, stall_window=2.5, metrics_interval=1.0,
-)  # fmt: skip
-SPEC = VllmProber.progress
-COST = VllmProber().cost(1)
+from tests.support.tables import COST, POLICY, SPEC
 
 
 def result(outcome: Outcome, at: float = 0.0, latency: float = 0.01, status: int | None = None):

@@ -12,7 +12,7 @@ from sidecar.endpoint import EndpointState, apply_canary, apply_registration, ap
 from sidecar.evidence.progress import COMPLETED, GENERATION, PROMPT, STEPS, ProgressSample
 from sidecar.evidence.result import Outcome, Result
 from sidecar.verdict import decide_liveness, endpoint_verdict
-from tests.test_verdict import COST, POLICY, SPEC
+from tests.support.tables import COST, POLICY, SPEC
 
 CATEGORIES = (PROMPT, GENERATION, STEPS, COMPLETED)
 REGISTRATION_ANSWERS = [

@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from tests.harness import wait_until
-from tests.vllm_engine import VllmServer, aggregated_vllm, pause, resume, samples, total
+from tests.support.harness import wait_until
+from tests.support.vllm_engine import VllmServer, aggregated_vllm, pause, resume, samples, total
 
 WAIT, TIMEOUT = 1.0, 1.0
 

@@ -23,8 +23,8 @@ import pytest
 from sidecar.canary import plan_canary
 from sidecar.canary.vllm import VllmProber
 from sidecar.config import Settings
-from tests.harness import Sidecar, wait_until
-from tests.vllm_engine import (
+from tests.support.harness import Sidecar, wait_until
+from tests.support.vllm_engine import (
     GREEDY,
     MODEL,
     VllmServer,
@@ -532,7 +532,8 @@ def test_busy_holds_ready_and_a_freeze_under_load_is_a_confirmed_stall(vllm_aggr
                 answer = side.http.get(f"{side.url}/health", timeout=5)
             except httpx.TimeoutException:
                 # Counted and shown: the assertion below says how many. (Before the engine's
-                # session was weighed as a pod's cgroups weigh it, tests.harness.weigh_session,
+                # session was weighed as a pod's cgroups weigh it,
+                # tests.support.harness.weigh_session,
                 # the sidecar waited over 5 s for a CPU here; the slowest answer is now ms.)
                 unanswered += 1
                 continue

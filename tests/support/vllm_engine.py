@@ -2,7 +2,7 @@
 
 ``scripts/prepare_engines.sh --only vllm`` installs it and writes ``VLLM_PYTHON``,
 ``VLLM_MODEL_DIR`` and ``VLLM_SITE_DIR`` to ``engines.env``; without them the tests skip naming
-the script (fail under CI), like the other real engines in ``tests/engines.py``.
+the script (fail under CI), like the other real engines in ``tests/support/engines.py``.
 
 One server is three processes: the API server (the one started here, in its own process group),
 its child ``VLLM::EngineCore`` and that one's child ``VLLM::Worker`` (the model's step loop).
@@ -26,8 +26,8 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from sidecar.canary.transfer import REMOTE_DECODE
-from tests.engines import require
-from tests.harness import LOOPBACK, Proc, base_env, descendants, free_port, wait_until
+from tests.support.engines import require
+from tests.support.harness import LOOPBACK, Proc, base_env, descendants, free_port, wait_until
 
 MODEL = "tiny"
 MAX_MODEL_LEN = 512
@@ -35,7 +35,8 @@ START_TIMEOUT = 300.0  # 50-65 s alone on 2 cores; far more beside a second inst
 ENGINE_CORE = "VLLM::EngineCore"
 WORKER = "VLLM::Worker"
 # Ask for exactly one generated token from a greedy request, whatever the random weights say.
-# The engine's CPU weight against the sidecar and the test (tests.harness.weigh_session): a pod
+# The engine's CPU weight against the sidecar and the test (tests.support.harness.weigh_session): a
+# pod
 # gives each container a CPU cgroup of its own; one cgroup shared here needs the engine niced.
 ENGINE_NICE = 19
 GREEDY = {"temperature": 0, "ignore_eos": True, "stream": False}

@@ -1,6 +1,7 @@
 """A misbehaving engine: a raw asyncio HTTP/1.1 server that breaks the protocol on purpose.
 
-Run as a real process (``python -m tests.misbehaving --port 0 --port-file F --mode MODE``). It
+Run as a real process (``python -m tests.support.misbehaving --port 0 --port-file F --mode MODE``).
+It
 answers the registration routes like a healthy engine (``GET /health`` 200, ``GET /v1/models``
 one model) and misbehaves on generation requests (``POST /v1/completions``, ``/generate``,
 ``/v1/chat/completions``) as its current mode says. Every response closes its connection.
@@ -39,7 +40,7 @@ from typing import Any
 
 import httpx
 
-from tests.harness import Proc, base_env, wait_until
+from tests.support.harness import Proc, base_env, wait_until
 
 LOOPBACK = "127.0.0.1"
 MODEL = "misbehaving-model"
@@ -385,7 +386,9 @@ async def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tests.misbehaving", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m tests.support.misbehaving", description=__doc__
+    )
     parser.add_argument("--host", default=LOOPBACK)
     parser.add_argument("--port", type=int, required=True, help="0 lets the OS pick a port")
     parser.add_argument("--port-file", type=Path, help="write the bound port here (atomically)")
@@ -394,12 +397,21 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 class MisbehavingEngine:
-    """The test side: start ``python -m tests.misbehaving`` as a real process, switch its mode,
+    """The test side: start ``python -m tests.support.misbehaving`` as a real process, switch its
+    mode,
     read its stats. Ended by its process group in :meth:`close`."""
 
     def __init__(self, mode: str = "ok") -> None:
         port_file = Path(tempfile.mkdtemp(prefix="misbehaving-")) / "port"
-        argv = [sys.executable, "-m", "tests.misbehaving", "--host", LOOPBACK, "--port", "0"]
+        argv = [
+            sys.executable,
+            "-m",
+            "tests.support.misbehaving",
+            "--host",
+            LOOPBACK,
+            "--port",
+            "0",
+        ]
         argv += ["--port-file", str(port_file), "--mode", mode]
         self.proc = Proc(argv, base_env(), f"misbehaving-{mode}")
         self.http = httpx.Client(timeout=2.0, trust_env=False)

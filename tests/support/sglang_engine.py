@@ -3,7 +3,7 @@ network namespace.
 
 ``scripts/prepare_engines.sh --only sglang`` installs it and writes ``SGLANG_PYTHON``,
 ``SGLANG_SITE_DIR`` and ``SGLANG_MODEL_DIR`` to ``engines.env``; without them the tests skip
-naming the script (fail under CI), like the other real engines in ``tests/engines.py``.
+naming the script (fail under CI), like the other real engines in ``tests/support/engines.py``.
 
 One server is ``python -m sglang.launch_server`` (the HTTP server and tokenizer manager, started
 here in its own process group) and its children: one ``sglang::scheduler`` per data-parallel rank
@@ -12,9 +12,10 @@ here in its own process group) and its children: one ``sglang::scheduler`` per d
 tracker. The scheduler runs the model's step loop: freezing it (SIGSTOP) is a hung engine.
 
 SGLang's scheduler and mooncake open listeners on all interfaces whatever the host flags say, so
-start servers only inside ``tests.netns`` (the module fixture ``isolated``): the server and every
+start servers only inside ``tests.support.netns`` (the module fixture ``isolated``): the server and
+every
 client of it then share a loopback that nothing else reaches. The server runs niced (19, its
-session weighted like a pod's cgroup: ``tests.harness.weigh_session``) and with
+session weighted like a pod's cgroup: ``tests.support.harness.weigh_session``) and with
 ``--sleep-on-idle`` (else an idle scheduler spins a core at 100 %). Start-up takes 14-23 s alone
 on 2 cores (20-53 s with ``dp_size=2``), about 2 GB of RSS per server: share servers through
 module-scoped fixtures (:func:`sglang_server`).
@@ -48,14 +49,22 @@ from typing import Any
 
 import httpx
 
-from tests.engines import require
-from tests.harness import LOOPBACK, Proc, Sidecar, base_env, descendants, free_port, wait_until
-from tests.vllm_engine import samples, total
+from tests.support.engines import require
+from tests.support.harness import (
+    LOOPBACK,
+    Proc,
+    Sidecar,
+    base_env,
+    descendants,
+    free_port,
+    wait_until,
+)
+from tests.support.vllm_engine import samples, total
 
 MODEL = "tiny"
 MODES = ("aggregated", "prefill", "decode")
 START_TIMEOUT = 300.0  # 14-23 s alone (20-53 s with dp 2); far more beside other engines
-ENGINE_NICE = 19  # as tests.vllm_engine: the engine must not starve the sidecar on 2 cores
+ENGINE_NICE = 19  # as tests.support.vllm_engine: the engine must not starve the sidecar on 2 cores
 SCHEDULER = "sglang::scheduler"
 DETOKENIZER = "sglang::detokenizer"
 DP_CONTROLLER = "sglang::data_parallel_controller"

@@ -1,5 +1,5 @@
-"""The verdicts that were wrong, one test each (the numbered findings of the verdicts issue), run
-as a user runs them: the sidecar and the fake engine as processes over loopback.
+"""Verdicts that were once wrong, one test each, run as a user runs them: the sidecar and the
+fake engine as processes over loopback.
 
 Timings: wait 1 s, canary timeout 0.5 s, metrics read every 1 s, stall window 2.5 s.
 """
@@ -17,8 +17,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.harness import ROOT, FakeEngine, Sidecar, wait_until
-from tests.test_e2e_fake import metric
+from tests.support.exposition import metric
+from tests.support.harness import ROOT, FakeEngine, Sidecar, wait_until
 
 CANARY_ON = {"DYN_HEALTH_CHECK_ENABLED": "true"}
 
@@ -60,7 +60,7 @@ def in_flight(fake: FakeEngine, body: dict, path: str = "/v1/completions") -> It
 # 1. A malformed answer is a failure whatever the counters do --------------------------------------
 @pytest.mark.parametrize("arrival", [False, True])
 @pytest.mark.parametrize("garbage", ["no_finish_reason", "wrong_token_count"])
-def test_1_broken_answers_are_not_hidden_by_the_engines_counters(engine, sidecar, garbage, arrival):
+def test_broken_answers_are_not_hidden_by_the_engines_counters(engine, sidecar, garbage, arrival):
     fake = engine("vllm", "aggregated", *(["--prompt-on-arrival"] if arrival else []))
     side = sidecar(CANARY_ON | {"SIDECAR_ENGINE_URL": fake.url})
     side.wait_status(200, 5)
@@ -77,9 +77,7 @@ def test_1_broken_answers_are_not_hidden_by_the_engines_counters(engine, sidecar
 @pytest.mark.parametrize(
     ("backend", "gzip"), [("sglang", "auto"), ("trtllm", "auto"), ("vllm", "always")]
 )
-def test_3_compressed_metrics_are_read_and_a_busy_engine_stays_ready(
-    engine, sidecar, backend, gzip
-):
+def test_compressed_metrics_are_read_and_a_busy_engine_stays_ready(engine, sidecar, backend, gzip):
     fake = engine(backend, "aggregated", "--metrics-gzip", gzip)
     side = sidecar(CANARY_ON | {"SIDECAR_BACKEND": backend, "SIDECAR_ENGINE_URL": fake.url})
     side.wait_status(200, 5)
@@ -128,7 +126,7 @@ def decode_sidecar(sidecar, fake: FakeEngine) -> Sidecar:
 
 
 # 4 and 10. A decode worker whose request waits for a KV transfer is healthy -----------------------
-def test_4_a_decode_worker_waiting_on_its_prefill_peer_stays_ready_and_live(engine, sidecar):
+def test_a_decode_worker_waiting_on_its_prefill_peer_stays_ready_and_live(engine, sidecar):
     fake = engine("vllm", "decode")
     side = decode_sidecar(sidecar, fake)
     with in_flight(fake, PARKED):
@@ -149,7 +147,7 @@ def test_4_a_decode_worker_waiting_on_its_prefill_peer_stays_ready_and_live(engi
         assert 2 <= len(canaries) <= 9  # the parked work gets canaries every wait, not more
 
 
-def test_4_gauges_without_counters_leave_the_decision_to_the_canary(engine, sidecar):
+def test_gauges_without_counters_leave_the_decision_to_the_canary(engine, sidecar):
     """As some TensorRT-LLM releases publish: in-flight gauges under the listed names, counters
     under others. Not readable progress: said once, and the canary alone decides."""
     fake = engine("vllm", "decode")
@@ -172,7 +170,7 @@ def test_4_gauges_without_counters_leave_the_decision_to_the_canary(engine, side
 
 
 # 5. An encode worker is never judged by progress --------------------------------------------------
-def test_5_the_encode_profile_with_a_stuck_request_stays_ready_and_live(engine, sidecar):
+def test_the_encode_profile_with_a_stuck_request_stays_ready_and_live(engine, sidecar):
     fake = engine("vllm", "encode")
     env = {
         k: v
@@ -197,7 +195,7 @@ def test_5_the_encode_profile_with_a_stuck_request_stays_ready_and_live(engine, 
 
 
 # 6. Liveness holds while the engine's health route answers 503 ------------------------------------
-def test_6_liveness_never_fails_or_flaps_while_the_engine_answers_503(engine, sidecar):
+def test_liveness_never_fails_or_flaps_while_the_engine_answers_503(engine, sidecar):
     fake = engine("vllm", "aggregated")
     side = sidecar(CANARY_ON | {"SIDECAR_ENGINE_URL": fake.url, "SIDECAR_LIVENESS_WINDOW": "1"})
     side.wait_status(200, 5)
@@ -209,7 +207,7 @@ def test_6_liveness_never_fails_or_flaps_while_the_engine_answers_503(engine, si
 
 
 # 7. Smaller faults --------------------------------------------------------------------------------
-def test_7_the_live_reason_names_the_running_cause_and_quotes_its_current_reason(engine, sidecar):
+def test_the_live_reason_names_the_running_cause_and_quotes_its_current_reason(engine, sidecar):
     fake = engine("vllm", "aggregated")
     side = sidecar(CANARY_ON | {"SIDECAR_ENGINE_URL": fake.url, "SIDECAR_LIVENESS_WINDOW": "2"})
     side.wait_status(200, 5)
@@ -222,7 +220,7 @@ def test_7_the_live_reason_names_the_running_cause_and_quotes_its_current_reason
     assert "first text" not in live["reason"]
 
 
-def test_7_the_sidecars_own_probe_reads_the_monitors_heartbeat(engine, sidecar):
+def test_the_sidecars_own_probe_reads_the_monitors_heartbeat(engine, sidecar):
     fake = engine("vllm", "aggregated")
     side = sidecar(CANARY_ON | {"SIDECAR_ENGINE_URL": fake.url})
     answer = side.get("/sidecar/live")
@@ -235,7 +233,7 @@ def test_7_the_sidecars_own_probe_reads_the_monitors_heartbeat(engine, sidecar):
         fake.proc.signal(signal.SIGCONT)
 
 
-def test_7_one_health_body_is_consistent_with_itself(engine, sidecar):
+def test_one_health_body_is_consistent_with_itself(engine, sidecar):
     fake = engine("vllm", "aggregated")
     side = sidecar(CANARY_ON | {"SIDECAR_ENGINE_URL": fake.url})
     side.wait_status(200, 5)
@@ -248,7 +246,7 @@ def test_7_one_health_body_is_consistent_with_itself(engine, sidecar):
 
 
 # 9. One slow answer of the engine's own health route under load -----------------------------------
-def test_9_a_slow_health_route_while_the_engine_progresses_does_not_deregister(engine, sidecar):
+def test_a_slow_health_route_while_the_engine_progresses_does_not_deregister(engine, sidecar):
     fake = engine("vllm", "aggregated")
     side = sidecar(CANARY_ON | {"SIDECAR_ENGINE_URL": fake.url})
     side.wait_status(200, 5)

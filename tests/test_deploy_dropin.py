@@ -19,8 +19,7 @@ import yaml
 
 from sidecar.config import Settings, load_settings
 from sidecar.probes import render
-from tests.harness import ROOT
-from tests.test_deploy import (
+from tests.support.deployfiles import (
     MAX_LOAD_SECONDS,
     OLDEST_K8S,
     kustomize,
@@ -30,6 +29,7 @@ from tests.test_deploy import (
     read_env,
     run,
 )
+from tests.support.harness import ROOT
 
 KUBE = ROOT / "deploy" / "kubernetes"
 COMPONENT = KUBE / "components" / "health-sidecar"

@@ -14,9 +14,9 @@ import tempfile
 from pathlib import Path
 
 import httpx
-import pytest
 
-from tests.harness import LOOPBACK, Proc, base_env, free_port, free_port_in, wait_until
+from tests.support.harness import LOOPBACK, Proc, base_env, free_port, free_port_in, wait_until
+from tests.support.prerequisites import missing as prerequisite_missing
 
 PREPARE = "scripts/prepare_engines.sh"
 
@@ -42,10 +42,7 @@ def require(*keys: str) -> dict[str, str]:
     paths = engine_paths()
     missing = [k for k in keys if not paths.get(k) or not Path(paths[k]).exists()]
     if missing:
-        message = f"real engine missing ({', '.join(missing)}): run {PREPARE}"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
+        prerequisite_missing(f"real engine missing ({', '.join(missing)}): run {PREPARE}")
     return paths
 
 
@@ -197,10 +194,10 @@ class MockerWorker:
     simulated engine) on the request plane: file discovery in ``kv_dir`` (workers sharing it are
     one deployment), TCP request plane, its system server on a free port below 32768. Dynamo's
     event plane listens on 0.0.0.0: start it only in a private network namespace
-    (``tests.netns``)."""
+    (``tests.support.netns``)."""
 
     def __init__(self, kv_dir: str | Path, name: str = "mocker", *extra: str) -> None:
-        from tests.dynamo_worker import dynamo_env
+        from tests.support.dynamo_worker import dynamo_env
 
         self.paths = require("DYNAMO_PYTHON", "DYNAMO_MODEL_DIR")
         self.kv_dir = Path(kv_dir)
@@ -217,7 +214,7 @@ class MockerWorker:
         return f"http://{LOOPBACK}:{self.system_port}"
 
     def start(self, timeout: float = 60) -> MockerWorker:
-        from tests.dynamo_worker import endpoint_instances
+        from tests.support.dynamo_worker import endpoint_instances
 
         python, model = self.paths["DYNAMO_PYTHON"], self.paths["DYNAMO_MODEL_DIR"]
         argv = [python, "-m", "dynamo.mocker", "--model-path", model, "--model-name", "tiny"]

@@ -1,5 +1,5 @@
 """A worker's system server as Dynamo's Kubernetes discovery mode serves it, in front of a worker
-that runs with file discovery: ``python -m tests.metadata_proxy --upstream URL --kv-dir DIR
+that runs with file discovery: ``python -m tests.support.metadata_proxy --upstream URL --kv-dir DIR
 --port-file F``.
 
 GET /health, /live and /metrics are the worker's own answers. GET /metadata is what a worker
@@ -21,7 +21,7 @@ from typing import Any
 
 import httpx
 
-from tests.dynamo_worker import endpoint_instances
+from tests.support.dynamo_worker import endpoint_instances
 
 FORWARDED = ("/health", "/live", "/metrics")
 

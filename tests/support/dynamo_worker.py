@@ -3,7 +3,7 @@
 :class:`FakeDynamoWorker` starts ``python -m fakeengine.dynamo``, a real Dynamo worker on
 the real runtime (file discovery in a test's private directory, TCP request plane, everything
 on loopback) whose handler applies a backend's role rules and takes faults from a control port.
-:class:`DynamoClient` starts ``python -m tests.dynamo_worker client``: a long-lived process
+:class:`DynamoClient` starts ``python -m tests.support.dynamo_worker client``: a long-lived process
 holding a Dynamo runtime client, serving ``POST /call`` on loopback, so that tests can send a
 request straight to one instance (``client.direct``) and see what a runtime client sees.
 
@@ -13,9 +13,9 @@ there. A second test module, in a fresh namespace, could no longer reach its own
 an in-process client (measured: ``Unavailable: TCP connection to 127.0.0.1:PORT failed``).
 
 Dynamo's event plane listens on 0.0.0.0: start these only inside a private network namespace
-(``tests.netns``: the module fixture ``isolated`` or ``private_network()``).
+(``tests.support.netns``: the module fixture ``isolated`` or ``private_network()``).
 
-``python -m tests.dynamo_worker call ENDPOINT '<json payload>' [--instance-id N]`` sends one
+``python -m tests.support.dynamo_worker call ENDPOINT '<json payload>' [--instance-id N]`` sends one
 request from the command line (DYN_FILE_KV and the host variables from the environment).
 """
 
@@ -36,7 +36,7 @@ from typing import Any
 
 import httpx
 
-from tests.harness import LOOPBACK, Proc, base_env, free_port_in, wait_until
+from tests.support.harness import LOOPBACK, Proc, base_env, free_port_in, wait_until
 
 #: Start-up deadline of a worker or a client (they take 0.4-0.6 s on an idle machine).
 START_TIMEOUT = 30.0
@@ -244,7 +244,8 @@ class FakeDynamoWorker:
 
 
 class DynamoClient:
-    """``python -m tests.dynamo_worker client``: one Dynamo runtime client in its own process,
+    """``python -m tests.support.dynamo_worker client``: one Dynamo runtime client in its own
+    process,
     sending requests straight to an instance on behalf of the test (``POST /call``)."""
 
     def __init__(self, kv_dir: str | Path, env_extra: dict[str, str] | None = None) -> None:
@@ -262,7 +263,7 @@ class DynamoClient:
     def start(self, timeout: float = START_TIMEOUT) -> DynamoClient:
         port_file = self.workdir / "port"
         env = base_env() | dynamo_env(self.kv_dir) | QUIET | {"DYN_SYSTEM_PORT": "-1"}
-        argv = [sys.executable, "-m", "tests.dynamo_worker", "client"]
+        argv = [sys.executable, "-m", "tests.support.dynamo_worker", "client"]
         argv += ["--port-file", str(port_file)]
         self.proc = Proc(argv, env | {"TMPDIR": str(self.workdir)} | self.env_extra, "dynclient")
 
@@ -452,7 +453,7 @@ async def _call_once(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tests.dynamo_worker")
+    parser = argparse.ArgumentParser(prog="python -m tests.support.dynamo_worker")
     parser.add_argument("--discovery-backend", default="file")
     parser.add_argument("--request-plane", default="tcp")
     commands = parser.add_subparsers(dest="command", required=True)

@@ -1,0 +1,13 @@
+"""The fixed policy, progress spec and canary cost the decision-table tests are written against."""
+
+from __future__ import annotations
+
+from sidecar.canary.vllm import VllmProber
+from sidecar.evidence.policy import Policy
+
+POLICY = Policy(
+    failure_threshold=2, success_threshold=1, wait=1.0, retry=1.0, timeout=0.5,
+    liveness_window=10.0, stall_window=2.5, metrics_interval=1.0,
+)  # fmt: skip
+SPEC = VllmProber.progress
+COST = VllmProber().cost(1)
