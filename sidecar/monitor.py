@@ -33,9 +33,12 @@ from sidecar.endpoint import canary_due, suspected
 from sidecar.engine import EngineClient
 from sidecar.evidence.lifecycle import sleeping_in
 from sidecar.evidence.progress import (
+    Exposition,
     MetricsUnreadable,
     ProgressSample,
     ProgressSpec,
+    Series,
+    names_of,
     ranks_in,
     read_progress,
 )
@@ -46,6 +49,12 @@ from sidecar.requestplane.worker import DynamoWorker
 from sidecar.transferprobe import TransferProbe
 
 log = logging.getLogger("sidecar.monitor")
+
+
+def _read_by(plan: CanaryPlan, spec: ProgressSpec) -> tuple[Series, ...]:
+    """Every series one unit reads in the engine's metrics."""
+    transfers = plan.transfers.every() if plan.transfers is not None else ()
+    return (*spec.every(), *transfers, *plan.awake)
 
 
 async def wait_event(event: asyncio.Event, seconds: float | None) -> None:
@@ -95,6 +104,9 @@ class Monitor:
             self._group = group
             group.create_task(self._heartbeat(), name="heartbeat")
             group.create_task(self._maintenance_timer(), name="maintenance")
+            group.create_task(self._registration_loop(), name="registration")
+            if self.watch_progress:
+                group.create_task(self._progress_loop(), name="progress")
             for name, plan in self.health.plans.items():
                 self._start_unit(name, plan)
             if self.discover_ranks:
@@ -102,24 +114,19 @@ class Monitor:
                 group.create_task(self._discover_ranks(template), name="discover-ranks")
 
     def _start_unit(self, name: str, plan: CanaryPlan) -> None:
-        """The loops of one unit (an endpoint, or one rank of it), owned by the TaskGroup."""
+        """The probe loop of one unit (an endpoint, or one rank of it), owned by the TaskGroup.
+        What the engine says of itself (registration, lifecycle, metrics) is read once per
+        engine by the engine-level loops and given to every unit."""
         assert self._group is not None
         group = self._group
         self._sent.setdefault(name, 0)
         self._done.setdefault(name, 0)
-        tasks = [
-            group.create_task(self._registration_loop(name, plan), name=f"registration:{name}")
-        ]
+        tasks = []
         if plan.probe == KV_TRANSFER:
             assert self.transfer_probe is not None
             tasks.append(group.create_task(self._transfer_loop(name), name=f"probe:{name}"))
         elif plan.enabled:
             tasks.append(group.create_task(self._canary_loop(name, plan), name=f"canary:{name}"))
-            if self.watch_progress:
-                spec = plan.progress_spec(self.metrics_path)
-                tasks.append(
-                    group.create_task(self._progress_loop(name, spec), name=f"progress:{name}")
-                )
         self._tasks[name] = tasks
 
     async def _discover_ranks(self, template: CanaryPlan) -> None:
@@ -236,84 +243,132 @@ class Monitor:
             and self.health.settings.model is None
         )
 
-    async def _check_worker(self, name: str, worker: DynamoWorker) -> None:
+    async def _check_worker(self, worker: DynamoWorker) -> None:
         check = await worker.check()
-        self.health.record_registration(name, check.registration)
         health = check.engine_health
-        self.health.record_engine_health(name, health.status_code, health.status, health.detail)
         instance = str(check.instance) if check.instance is not None else None
-        self.health.record_discovery(name, check.listed, instance, worker.plane.where)
+        for name in list(self.health.plans):
+            self.health.record_registration(name, check.registration)
+            self.health.record_engine_health(name, health.status_code, health.status, health.detail)
+            self.health.record_discovery(name, check.listed, instance, worker.plane.where)
 
-    async def _registration_loop(self, name: str, plan: CanaryPlan) -> None:
+    async def _registration_loop(self) -> None:
+        """The engine's own health route, once per interval for all its units."""
         loop = asyncio.get_running_loop()
         while True:
             started = loop.time()
             if self.worker is not None:
-                await self._check_worker(name, self.worker)
-                self._changed_now()
-                await asyncio.sleep(max(0.0, started + self.registration_interval - loop.time()))
-                continue
-            result = await self.client.registration(self.registration_path)
-            if result.ok and self._needs_discovery(plan):
-                snap = self.health.snapshot
-                if not snap.endpoints[name].registration.registered or snap.models[name] is None:
-                    model, why = await self.client.served_model()
-                    if model is None:
-                        result = Result(
-                            Outcome.ERROR,
-                            f"model not known: {why}",
-                            result.started,
-                            result.finished,
-                            result.wall_time,
-                        )
-                    self.health.set_model(name, model)
-            self.health.record_registration(name, result)
-            await self._ask_sleep(name, plan)
+                await self._check_worker(self.worker)
+            else:
+                await self._check_registration()
             self._changed_now()
             await asyncio.sleep(max(0.0, started + self.registration_interval - loop.time()))
 
-    async def _ask_sleep(self, name: str, plan: CanaryPlan) -> None:
-        path = plan.prober.sleep_path
-        ep = self.health.snapshot.endpoints[name]
-        if path is None or not ep.registration.registered or ep.lifecycle.sleep_route_missing:
-            return
-        sleeping, why, missing = await self.client.sleep_state(path)
-        self.health.record_sleep(name, sleeping, why, gauge=False, missing=missing)
+    async def _check_registration(self) -> None:
+        result = await self.client.registration(self.registration_path)
+        plans = dict(self.health.plans)
+        if result.ok:
+            snap = self.health.snapshot
+            unknown = [
+                name
+                for name, plan in plans.items()
+                if self._needs_discovery(plan)
+                and (not snap.endpoints[name].registration.registered or snap.models[name] is None)
+            ]
+            model, why = (await self.client.served_model()) if unknown else (None, "")
+            plans = {n: p for n, p in plans.items() if n in self.health.plans}  # ranks may be new
+            for name in (n for n in unknown if n in plans):
+                self.health.set_model(name, model)
+                if model is None:  # registered, but not usable without the model's name
+                    plans.pop(name)
+                    unusable = Result(
+                        Outcome.ERROR,
+                        f"model not known: {why}",
+                        result.started,
+                        result.finished,
+                        result.wall_time,
+                    )
+                    self.health.record_registration(name, unusable)
+        for name in plans:
+            self.health.record_registration(name, result)
+        await self._ask_sleep()
+
+    async def _ask_sleep(self) -> None:
+        """Ask the engine's sleep route once for every unit whose backend has one."""
+        snap = self.health.snapshot
+        asking: dict[str, list[str]] = {}
+        for name, plan in self.health.plans.items():
+            path = plan.prober.sleep_path
+            ep = snap.endpoints[name]
+            if path and ep.registration.registered and not ep.lifecycle.sleep_route_missing:
+                asking.setdefault(path, []).append(name)
+        for path, names in asking.items():
+            sleeping, why, missing = await self.client.sleep_state(path)
+            for name in (n for n in names if n in self.health.plans):
+                self.health.record_sleep(name, sleeping, why, gauge=False, missing=missing)
 
     async def _read(self, name: str, spec: ProgressSpec) -> tuple[ProgressSample | None, str]:
-        sample, why, _ = await self._read_text(name, spec)
-        return sample, why
-
-    async def _read_text(
-        self, name: str, spec: ProgressSpec
-    ) -> tuple[ProgressSample | None, str, str | None]:
+        """One unit's own read of the metrics, beside its canary (the baseline of a timeout)."""
         done = self._done[name]  # finished before the read began
         text, why = await self.client.metrics_text(spec.path)
         if text is None:
-            return None, why, None
+            return None, why
         sent = self._sent[name]  # started before the read ended
         try:
             sample = read_progress(text, spec, self.health.clock(), time.time(), (sent, done))
         except MetricsUnreadable as exc:
-            return None, f"GET {spec.path}: {exc}", text
-        return sample, why, text
+            return None, f"GET {spec.path}: {exc}"
+        return sample, why
 
-    async def _progress_loop(self, name: str, spec: ProgressSpec) -> None:
+    def _readers(self) -> dict[str, tuple[CanaryPlan, ProgressSpec]]:
+        """The units that read the engine's metrics: those with a canary."""
+        return {
+            name: (plan, plan.progress_spec(self.metrics_path))
+            for name, plan in self.health.plans.items()
+            if plan.enabled and plan.probe != KV_TRANSFER
+        }
+
+    async def _progress_loop(self) -> None:
+        """The engine's metrics, read and parsed once per interval, given to every unit: its
+        rank's progress, its transfer counters, its sleep-state gauge."""
         loop = asyncio.get_running_loop()
-        plan = self.health.plans[name]
-        own = plan.cost(plan.request(None, "cost"))  # what one canary moves
         while True:
             started = loop.time()
-            sample, why, text = await self._read_text(name, spec)
-            self.health.record_sample(name, sample, why, spec, own)
-            if text is not None and plan.transfers is not None:
-                transfers = read_transfers(text, plan.transfers, self.health.clock(), time.time())
-                self.health.record_transfers(name, transfers)
-            if text is not None and plan.awake:
-                sleeping, what = sleeping_in(text, plan.awake)
-                self.health.record_sleep(name, sleeping, f"{spec.path}: {what}", gauge=True)
+            readers = self._readers()
+            paths = {spec.path for _, spec in readers.values()}
+            for path in paths:
+                await self._read_for(path, {n: r for n, r in readers.items() if r[1].path == path})
             self._changed_now()
             await asyncio.sleep(max(0.0, started + self.metrics_interval - loop.time()))
+
+    async def _read_for(
+        self, path: str, readers: dict[str, tuple[CanaryPlan, ProgressSpec]]
+    ) -> None:
+        done = dict(self._done)  # finished before the read began
+        text, why = await self.client.metrics_text(path)
+        sent = dict(self._sent)  # started before the read ended
+        at, wall = self.health.clock(), time.time()
+        parsed: Exposition | None = None
+        if text is not None:
+            wanted = [s for plan, spec in readers.values() for s in _read_by(plan, spec)]
+            try:
+                parsed = Exposition.parse(text, names_of(wanted))
+            except MetricsUnreadable as exc:
+                why = f"GET {path}: {exc}"
+        for name, (plan, spec) in readers.items():
+            if name not in self.health.plans:  # a unit gone while the engine answered
+                continue
+            sample = None
+            if parsed is not None:
+                counted = (sent.get(name, 0), done.get(name, 0))
+                sample = read_progress(parsed, spec, at, wall, counted)
+            own = plan.cost(plan.request(None, "cost"))  # what one canary moves
+            self.health.record_sample(name, sample, why, spec, own)
+            if parsed is not None and plan.transfers is not None:
+                self.health.record_transfers(name, read_transfers(parsed, plan.transfers, at, wall))
+            if parsed is not None and plan.awake:
+                sleeping, what = sleeping_in(parsed, plan.awake)
+                self.health.record_sleep(name, sleeping, f"{path}: {what}", gauge=True)
 
     async def _canary_loop(self, name: str, plan: CanaryPlan) -> None:
         policy = self.health.policy

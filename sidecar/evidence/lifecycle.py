@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from sidecar.evidence.progress import MetricsUnreadable, Series, matching
+from sidecar.evidence.progress import Exposition, MetricsUnreadable, Series, matching
 
 
 @dataclass(frozen=True)
@@ -109,7 +109,7 @@ def new_incarnation(state: LifecycleState) -> LifecycleState:
     return replace(state, route_sleeping=None, gauge_sleeping=None, sleep_route_missing=False)
 
 
-def sleeping_in(text: str, awake: tuple[Series, ...]) -> tuple[bool | None, str]:
+def sleeping_in(text: str | Exposition, awake: tuple[Series, ...]) -> tuple[bool | None, str]:
     """Whether a metrics exposition says the engine sleeps: one of its ``awake`` series (one per
     data-parallel rank) at 0. None when none is published."""
     if not awake:

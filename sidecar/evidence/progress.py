@@ -46,6 +46,10 @@ class Series:
         return self.name + "{" + ",".join(f'{k}="{v}"' for k, v in self.labels) + "}"
 
 
+def _flat(groups: Mapping[str, tuple[Series, ...]]) -> tuple[Series, ...]:
+    return tuple(s for group in groups.values() for s in group)
+
+
 def series(*names: str | Series) -> tuple[Series, ...]:
     return tuple(n if isinstance(n, Series) else Series(n) for n in names)
 
@@ -77,6 +81,10 @@ class ProgressSpec:
             peer_wait=each(self.peer_wait),
         )
 
+    def every(self) -> tuple[Series, ...]:
+        """Every series the spec reads (to parse an exposition once for all its readers)."""
+        return (*self.running, *self.waiting, *self.peer_wait, *_flat(self.counters))
+
     def names(self) -> list[str]:
         every = [*self.running, *self.waiting, *self.peer_wait]
         every += [s for c in CATEGORIES for s in self.counters.get(c, ())]
@@ -102,33 +110,58 @@ class MetricsUnreadable(ValueError):
     pass
 
 
-def matching(text: str, series: Iterable[Series]) -> list[tuple[Series, Sample]]:
-    """Every sample of a Prometheus text exposition that one of ``series`` matches, paired with
-    it (a sample matching two series comes twice). Raises MetricsUnreadable.
+@dataclass(frozen=True)
+class Exposition:
+    """One read of an engine's metrics, parsed once for every unit that reads it (each rank, the
+    transfer counters, the sleep gauge): the samples of the names asked for, by name.
 
     Only the lines of those names go to prometheus-client's parser: an engine's exposition is
     mostly histograms the sidecar never reads (vLLM's: 50 KB), and parsing it all, every second,
     on a CPU the engine saturates, starved the thread that answers the probes
     (docs/benchmarks.md)."""
-    by_name: dict[str, list[Series]] = {}
-    for s in series:
-        by_name.setdefault(s.name, []).append(s)
-    wanted = tuple(by_name)
-    kept = "\n".join(line for line in text.splitlines() if line.startswith(wanted))
-    found: list[tuple[Series, Sample]] = []
-    try:
-        for family in text_string_to_metric_families(kept + "\n"):
-            for sample in family.samples:
-                found += [
-                    (s, sample) for s in by_name.get(sample.name, ()) if s.matches(sample.labels)
-                ]
-    except (ValueError, TypeError, IndexError) as exc:
-        raise MetricsUnreadable(f"not a Prometheus exposition: {exc}") from None
-    return found
+
+    names: frozenset[str]
+    samples: Mapping[str, tuple[Sample, ...]]
+
+    @classmethod
+    def parse(cls, text: str, names: Iterable[str]) -> Exposition:
+        """Raises MetricsUnreadable."""
+        wanted = frozenset(names)
+        prefixes = tuple(wanted)
+        kept = "\n".join(line for line in text.splitlines() if line.startswith(prefixes))
+        by_name: dict[str, list[Sample]] = {}
+        try:
+            for family in text_string_to_metric_families(kept + "\n"):
+                for sample in family.samples:
+                    if sample.name in wanted:
+                        by_name.setdefault(sample.name, []).append(sample)
+        except (ValueError, TypeError, IndexError) as exc:
+            raise MetricsUnreadable(f"not a Prometheus exposition: {exc}") from None
+        return cls(wanted, {n: tuple(v) for n, v in by_name.items()})
+
+
+def names_of(*groups: Iterable[Series]) -> frozenset[str]:
+    return frozenset(s.name for group in groups for s in group)
+
+
+def matching(source: str | Exposition, series: Iterable[Series]) -> list[tuple[Series, Sample]]:
+    """Every sample that one of ``series`` matches, paired with it (a sample matching two series
+    comes twice), from an exposition parsed once or from its text. Raises MetricsUnreadable."""
+    wanted = tuple(series)
+    if isinstance(source, str):
+        source = Exposition.parse(source, names_of(wanted))
+    missing = names_of(wanted) - source.names
+    assert not missing, f"the exposition was not parsed for {sorted(missing)}"
+    return [
+        (s, sample)
+        for s in wanted
+        for sample in source.samples.get(s.name, ())
+        if s.matches(sample.labels)
+    ]
 
 
 def group_totals(
-    text: str, groups: Mapping[str, tuple[Series, ...]]
+    text: str | Exposition, groups: Mapping[str, tuple[Series, ...]]
 ) -> tuple[dict[str, float], tuple[str, ...]]:
     """(group -> sum of its matching finite samples, for the groups with any; the series found).
     Raises MetricsUnreadable."""
@@ -148,7 +181,11 @@ def group_totals(
 
 
 def read_progress(
-    text: str, spec: ProgressSpec, at: float, wall: float, canaries: tuple[int, int] = (0, 0)
+    text: str | Exposition,
+    spec: ProgressSpec,
+    at: float,
+    wall: float,
+    canaries: tuple[int, int] = (0, 0),
 ) -> ProgressSample:
     """Sum the spec's samples in a Prometheus text exposition. Raises MetricsUnreadable."""
     groups = {
@@ -164,7 +201,7 @@ def read_progress(
     return ProgressSample(at, wall, in_flight, counters, totals.get("peer_wait"), found, *canaries)
 
 
-def ranks_in(text: str, gauges: tuple[Series, ...], label: str) -> tuple[int, ...]:
+def ranks_in(text: str | Exposition, gauges: tuple[Series, ...], label: str) -> tuple[int, ...]:
     """The data-parallel ranks an exposition shows: the values of ``label`` on the ``gauges``
     (vLLM: engine="0", engine="1", ... on its in-flight gauges; SGLang: dp_rank="0", ...); () when
     it has none of the gauges; (0,) when they carry no such label (SGLang with one rank labels

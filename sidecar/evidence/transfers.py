@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from sidecar.evidence.progress import MetricsUnreadable, Series, group_totals
+from sidecar.evidence.progress import Exposition, MetricsUnreadable, Series, group_totals
 
 # How long a failure keeps "transfers failing" in /health.
 WINDOW = 60.0
@@ -31,6 +31,10 @@ class TransferSpec:
 
     failures: Mapping[str, tuple[Series, ...]]
     fetching: tuple[Series, ...] = ()
+
+    def every(self) -> tuple[Series, ...]:
+        """Every series the spec reads."""
+        return (*(s for g in self.failures.values() for s in g), *self.fetching)
 
     def scoped(self, label: str | None, value: str) -> TransferSpec:
         """Every series restricted to one value of ``label`` (one data-parallel rank)."""
@@ -85,7 +89,9 @@ class TransferState:
         )
 
 
-def read_transfers(text: str, spec: TransferSpec, at: float, wall: float) -> TransferSample | None:
+def read_transfers(
+    text: str | Exposition, spec: TransferSpec, at: float, wall: float
+) -> TransferSample | None:
     """The spec's samples in a metrics exposition; None when it publishes none of them."""
     try:
         totals, _ = group_totals(text, {**spec.failures, "fetching": spec.fetching})
