@@ -38,22 +38,17 @@ from sidecar.evidence.transfers import WINDOW, TransferSample
 from sidecar.verdict import (
     Liveness,
     Readiness,
-    Rule,
     Verdict,
-    decide_liveness,
-    decide_readiness,
     endpoint_verdict,
+    endpoint_verdicts,
     engine_disagrees,
     engine_undersells,
-    rank_verdict,
+    monitor_silent,
+    worker_liveness,
+    worker_readiness,
 )
 
 log = logging.getLogger("sidecar.health")
-
-# The monitor publishes a heartbeat every HEARTBEAT_INTERVAL; a snapshot older than
-# HEARTBEAT_STALE means its thread is stuck: /health and the sidecar's own probe then fail.
-HEARTBEAT_INTERVAL = 0.5
-HEARTBEAT_STALE = 10.0
 
 
 def policy_from(settings: Settings) -> Policy:
@@ -113,8 +108,7 @@ class Snapshot:
 
     def stale_for(self, now: float) -> float | None:
         """Seconds the monitor has been silent, when that is too long; else None."""
-        silent = now - self.heartbeat
-        return silent if silent > HEARTBEAT_STALE else None
+        return monitor_silent(self.heartbeat, now)
 
     @property
     def engine_gone(self) -> bool:
@@ -156,12 +150,7 @@ class Health:
         for unit, plan in self.plans.items():
             units[plan.endpoint] = (*units.get(plan.endpoint, ()), unit)
         need = self.settings.dp_min_ready_ranks
-        combined = {
-            endpoint: verdicts[members[0]]
-            if members == (endpoint,)
-            else rank_verdict({u: verdicts[u] for u in members}, need)
-            for endpoint, members in units.items()
-        }
+        combined = endpoint_verdicts(units, verdicts, need)
         return Snapshot(
             endpoints=dict(endpoints),
             verdicts=verdicts,
@@ -462,27 +451,18 @@ class Health:
 
 # --- readers: any thread, one snapshot per answer -----------------------------------------------
 def readiness_of(snap: Snapshot, now: float) -> Readiness:
-    stale = snap.stale_for(now)
-    if stale is not None and not snap.draining:
-        return Readiness(
-            False, Rule.STALE, f"the monitor has not run for {stale:.1f} s: the verdict is stale"
-        )
-    return decide_readiness(
+    return worker_readiness(
         snap.endpoint_verdicts,
         snap.listed,
         snap.starting,
         draining=snap.draining,
         informing=snap.informing,
+        silent=snap.stale_for(now),
     )
 
 
 def liveness_of(snap: Snapshot, now: float) -> Liveness:
-    stale = snap.stale_for(now)
-    if stale is not None:
-        # The engine may be fine; restarting it would not revive the sidecar's monitor (the
-        # sidecar's own probe, /sidecar/live, does that).
-        return Liveness(True, f"unknown: the monitor has not run for {stale:.1f} s")
-    return decide_liveness(snap.endpoints, now, snap.policy.liveness_window)
+    return worker_liveness(snap.endpoints, now, snap.policy.liveness_window, snap.stale_for(now))
 
 
 def _described(sample: ProgressSample | None) -> str:

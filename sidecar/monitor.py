@@ -44,9 +44,10 @@ from sidecar.evidence.progress import (
 )
 from sidecar.evidence.result import Outcome, Result
 from sidecar.evidence.transfers import read_transfers
-from sidecar.health import HEARTBEAT_INTERVAL, Health
+from sidecar.health import Health
 from sidecar.requestplane.worker import DynamoWorker
 from sidecar.transferprobe import TransferProbe
+from sidecar.verdict import HEARTBEAT_INTERVAL
 
 log = logging.getLogger("sidecar.monitor")
 

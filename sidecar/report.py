@@ -13,8 +13,8 @@ from sidecar.config import StartingStatus
 from sidecar.endpoint import EndpointState, parked, suspected
 from sidecar.evidence.lifecycle import Maintenance
 from sidecar.evidence.transfers import WINDOW
-from sidecar.health import HEARTBEAT_STALE, Snapshot, liveness_of, readiness_of
-from sidecar.verdict import RULE_TEXT, engine_disagrees, engine_undersells
+from sidecar.health import Snapshot, liveness_of, readiness_of
+from sidecar.verdict import HEARTBEAT_STALE, RULE_TEXT, engine_disagrees, engine_undersells
 
 
 def iso(wall: float) -> str:

@@ -318,3 +318,58 @@ def decide_liveness(endpoints: Mapping[str, EndpointState], now: float, window: 
     if elapsed >= window:
         return Liveness(False, f"{detail} (window {window:g} s): {current}", cause)
     return Liveness(True, f"{detail}, within the {window:g} s window: {current}", cause)
+
+
+# --- the worker as a whole ----------------------------------------------------------------------
+# The monitor publishes a heartbeat every HEARTBEAT_INTERVAL; a snapshot older than
+# HEARTBEAT_STALE means its loop is stuck: /health and the sidecar's own probe then fail.
+HEARTBEAT_INTERVAL = 0.5
+HEARTBEAT_STALE = 10.0
+
+
+def monitor_silent(heartbeat: float, now: float) -> float | None:
+    """Seconds the monitor has been silent, when that is too long (the stale rule); else None."""
+    silent = now - heartbeat
+    return silent if silent > HEARTBEAT_STALE else None
+
+
+def endpoint_verdicts(
+    units: Mapping[str, tuple[str, ...]], verdicts: Mapping[str, Verdict], need: int | None
+) -> dict[str, Verdict]:
+    """Each endpoint's verdict from its units' (endpoint -> its units): its own when it is its
+    only unit, else :func:`rank_verdict` over its ranks."""
+    return {
+        endpoint: verdicts[members[0]]
+        if members == (endpoint,)
+        else rank_verdict({u: verdicts[u] for u in members}, need)
+        for endpoint, members in units.items()
+    }
+
+
+def worker_readiness(
+    verdicts: Mapping[str, Verdict],
+    listed: tuple[str, ...],
+    starting: StartingStatus,
+    *,
+    draining: bool,
+    informing: tuple[str, ...],
+    silent: float | None,
+) -> Readiness:
+    """/health: notready while the monitor is silent (stale), unless draining; else
+    :func:`decide_readiness` over the endpoints' verdicts."""
+    if silent is not None and not draining:
+        return Readiness(
+            False, Rule.STALE, f"the monitor has not run for {silent:.1f} s: the verdict is stale"
+        )
+    return decide_readiness(verdicts, listed, starting, draining=draining, informing=informing)
+
+
+def worker_liveness(
+    endpoints: Mapping[str, EndpointState], now: float, window: float, silent: float | None
+) -> Liveness:
+    """/live: live while the monitor is silent (the engine may be fine; restarting it would not
+    revive the monitor: the sidecar's own probe, /sidecar/live, does that); else
+    :func:`decide_liveness`."""
+    if silent is not None:
+        return Liveness(True, f"unknown: the monitor has not run for {silent:.1f} s")
+    return decide_liveness(endpoints, now, window)

@@ -9,8 +9,9 @@ from sidecar.app import create_app
 from sidecar.canary import plan_canary
 from sidecar.config import load_settings
 from sidecar.evidence.result import Outcome, Result
-from sidecar.health import HEARTBEAT_STALE, Health
+from sidecar.health import Health
 from sidecar.metrics import Metrics
+from sidecar.verdict import HEARTBEAT_STALE
 
 
 class Clock:

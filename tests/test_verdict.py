@@ -38,13 +38,18 @@ from sidecar.evidence.progress import (
 from sidecar.evidence.registration import RegistrationState, on_registration
 from sidecar.evidence.result import Outcome, Result
 from sidecar.verdict import (
+    HEARTBEAT_STALE,
     Cause,
     Rule,
     Verdict,
     decide_liveness,
     decide_readiness,
     endpoint_verdict,
+    endpoint_verdicts,
     engine_disagrees,
+    monitor_silent,
+    worker_liveness,
+    worker_readiness,
 )
 from tests.support.tables import COST, POLICY, SPEC
 
@@ -491,3 +496,51 @@ def test_one_slow_metrics_read_does_not_make_the_load_unknown():
     state = on_sample(state, None, "GET /metrics: no complete answer within 1 s", SPEC)
     assert not state.readable
     assert state.why.startswith("GET /metrics")
+
+
+# --- the worker as a whole: the stale rule and the ranks -----------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("silent_for", "draining", "ready", "rule"),
+    [
+        (HEARTBEAT_STALE - 0.1, False, True, Rule.MONITORED),
+        (HEARTBEAT_STALE + 0.1, False, False, Rule.STALE),
+        (HEARTBEAT_STALE + 0.1, True, False, Rule.DRAINING),  # draining says so, stale or not
+    ],
+)
+def test_a_silent_monitor_makes_the_verdict_stale_unless_draining(
+    silent_for, draining, ready, rule
+):
+    silent = monitor_silent(0.0, silent_for)
+    got = worker_readiness(
+        {"generate": Verdict(True, "canary passed")},
+        (),
+        StartingStatus.NOTREADY,
+        draining=draining,
+        informing=(),
+        silent=silent,
+    )
+    assert (got.ready, got.rule) == (ready, rule)
+
+
+def test_a_silent_monitor_never_fails_liveness():
+    got = worker_liveness({"generate": _hung()}, 1000.0, POLICY.liveness_window, 11.0)
+    assert got.live
+    assert got.reason == "unknown: the monitor has not run for 11.0 s"
+    assert not worker_liveness({"generate": _hung()}, 1000.0, POLICY.liveness_window, None).live
+
+
+def test_an_endpoint_of_ranks_is_decided_by_its_ranks_and_a_single_unit_by_itself():
+    verdicts = {
+        "generate/rank0": Verdict(True, "canary passed"),
+        "generate/rank1": Verdict(False, "canary timeout"),
+        "kv_transfer": Verdict(None, "no verdict yet"),
+    }
+    units = {"generate": ("generate/rank0", "generate/rank1"), "kv_transfer": ("kv_transfer",)}
+    got = endpoint_verdicts(units, verdicts, None)
+    assert got["kv_transfer"] is verdicts["kv_transfer"]
+    assert got["generate"].ready is False
+    assert got["generate"].reason.startswith("1 of 2 ranks ready")
+    degraded = endpoint_verdicts(units, verdicts, 1)["generate"]
+    assert (degraded.ready, degraded.degraded) == (True, True)
