@@ -15,8 +15,8 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
-from sidecar.canary import CanaryPlan
-from sidecar.config import KV_TRANSFER, Settings, StartingStatus
+from sidecar.canary import CanaryPlan, ProbeKind
+from sidecar.config import Settings, StartingStatus
 from sidecar.endpoint import (
     EndpointState,
     apply_canary,
@@ -130,7 +130,7 @@ class Health:
         self.plans = {p.unit: p for p in plans}
         self.listeners: list[Listener] = []
         endpoints = {
-            u: EndpointState(u, p.enabled, p.why, liveness=p.probe != KV_TRANSFER)
+            u: EndpointState(u, p.enabled, p.why, liveness=p.probe is not ProbeKind.TRANSFER)
             for u, p in self.plans.items()
         }
         self.snapshot = self._make(endpoints, {n: settings.model for n in endpoints}, False)
@@ -164,7 +164,9 @@ class Health:
             endpoint_verdicts=combined,
             min_ready=need,
             rank_of={u: p.rank for u, p in self.plans.items()},
-            informing=tuple(p.endpoint for p in self.plans.values() if p.probe == KV_TRANSFER),
+            informing=tuple(
+                p.endpoint for p in self.plans.values() if p.probe is ProbeKind.TRANSFER
+            ),
         )
 
     def set_ranks(self, ranks: int) -> dict[str, CanaryPlan]:
@@ -179,7 +181,7 @@ class Health:
         models: dict[str, str | None] = {}
         for unit, plan in self.plans.items():
             before = snap.endpoints[unit]
-            if plan.probe != "canary":  # the transfer probe is not a rank's
+            if plan.probe is not ProbeKind.CANARY:  # the transfer probe is not a rank's
                 plans[unit], endpoints[unit], models[unit] = plan, before, snap.models.get(unit)
                 continue
             for rank in range(ranks):

@@ -27,8 +27,7 @@ import logging
 import time
 import uuid
 
-from sidecar.canary import CanaryPlan
-from sidecar.config import KV_TRANSFER
+from sidecar.canary import CanaryPlan, ProbeKind
 from sidecar.endpoint import canary_due, suspected
 from sidecar.engine import EngineClient
 from sidecar.evidence.lifecycle import sleeping_in
@@ -111,7 +110,9 @@ class Monitor:
             for name, plan in self.health.plans.items():
                 self._start_unit(name, plan)
             if self.discover_ranks:
-                template = next(p for p in self.health.plans.values() if p.probe == "canary")
+                template = next(
+                    p for p in self.health.plans.values() if p.probe is ProbeKind.CANARY
+                )
                 group.create_task(self._discover_ranks(template), name="discover-ranks")
 
     def _start_unit(self, name: str, plan: CanaryPlan) -> None:
@@ -123,7 +124,7 @@ class Monitor:
         self._sent.setdefault(name, 0)
         self._done.setdefault(name, 0)
         tasks = []
-        if plan.probe == KV_TRANSFER:
+        if plan.probe is ProbeKind.TRANSFER:
             assert self.transfer_probe is not None
             tasks.append(group.create_task(self._transfer_loop(name), name=f"probe:{name}"))
         elif plan.enabled:
@@ -326,7 +327,7 @@ class Monitor:
         return {
             name: (plan, plan.progress_spec(self.metrics_path))
             for name, plan in self.health.plans.items()
-            if plan.enabled and plan.probe != KV_TRANSFER
+            if plan.enabled and plan.probe is not ProbeKind.TRANSFER
         }
 
     async def _progress_loop(self) -> None:

@@ -8,7 +8,7 @@ API ``vllm.py``, ``sglang.py``, ``trtllm.py`` or ``openai.py``; over Dynamo's re
 
 from __future__ import annotations
 
-from sidecar.canary.base import CanaryPlan, CanaryRequest, Prober, Role
+from sidecar.canary.base import CanaryPlan, CanaryRequest, ProbeKind, Prober, Role
 from sidecar.canary.dynamo import DynamoSglangProber, DynamoTrtllmProber, DynamoVllmProber
 from sidecar.canary.openai import OpenAIProber
 from sidecar.canary.sglang import SglangProber
@@ -20,6 +20,7 @@ from sidecar.config import GENERATE, KV_TRANSFER, Backend, Settings, Transport
 __all__ = [
     "CanaryPlan",
     "CanaryRequest",
+    "ProbeKind",
     "Prober",
     "Role",
     "plan_canary",
@@ -62,7 +63,7 @@ def plan_transfer_probe(settings: Settings) -> CanaryPlan | None:
         f"{settings.kv_probe_interval:g} s and when transfers fail"
     )
     role = Role(settings.disaggregation_mode, settings.model_type)
-    return CanaryPlan(KV_TRANSFER, True, why, prober, role, PATH, probe=KV_TRANSFER)
+    return CanaryPlan(KV_TRANSFER, True, why, prober, role, PATH, probe=ProbeKind.TRANSFER)
 
 
 def plan_canary(settings: Settings, endpoint: str = GENERATE) -> CanaryPlan:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from enum import StrEnum
 from typing import Any, ClassVar
 
 from sidecar.config import Backend, Mode, ModelType, Transport
@@ -140,6 +141,11 @@ class Prober:
         )
 
 
+class ProbeKind(StrEnum):
+    CANARY = "canary"
+    TRANSFER = "transfer"
+
+
 @dataclass(frozen=True)
 class CanaryPlan:
     """What --check-config prints and the monitor follows for one endpoint."""
@@ -152,9 +158,9 @@ class CanaryPlan:
     path: str
     override: dict[str, Any] | None = field(default=None)
     rank: int | None = None  # the data-parallel rank every canary of this plan is pinned to
-    # "canary", or "kv_transfer": the transfer probe (sidecar/canary/transfer.py) runs instead,
-    # for an endpoint that informs and never fails liveness.
-    probe: str = "canary"
+    # What probes it: a canary (over HTTP, or Dynamo's request plane), or the transfer probe
+    # (sidecar/canary/transfer.py) for an endpoint that informs and never fails liveness.
+    probe: ProbeKind = ProbeKind.CANARY
 
     @property
     def unit(self) -> str:
