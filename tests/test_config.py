@@ -171,9 +171,3 @@ def test_env_file(tmp_path):
     missing = cli("--env-file", str(tmp_path / "nope.env"), "--check-config")
     assert missing.returncode == 2
     assert "--env-file=" in missing.stderr
-
-
-def test_readme_documents_every_variable():
-    readme = (ROOT / "README.md").read_text()
-    for field in Settings.model_fields.values():
-        assert f"| `{field.validation_alias}` |" in readme, field.validation_alias
