@@ -9,13 +9,14 @@ a declared maintenance window) ends the canary's evidence, so that it proves its
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
 from sidecar.evidence import lifecycle
 from sidecar.evidence.canary import CanaryState, TimeoutEvidence, check_answer, on_canary
 from sidecar.evidence.discovery import DiscoveryState, on_discovery
 from sidecar.evidence.enginehealth import EngineHealthState, on_engine_health
-from sidecar.evidence.lifecycle import LifecycleState
+from sidecar.evidence.lifecycle import LifecycleState, Maintenance
 from sidecar.evidence.policy import Policy
 from sidecar.evidence.progress import (
     CanaryCost,
@@ -235,3 +236,35 @@ def parked(ep: EndpointState, policy: Policy, now: float) -> bool:
     latest, passed = ep.progress.latest, ep.canary.last_pass_at
     read_since = latest is not None and passed is not None and latest.at > passed
     return ep.canary.successes >= 2 or read_since
+
+
+def transfer_due(
+    ep: EndpointState,
+    others: Iterable[EndpointState],
+    policy: Policy,
+    interval: float,
+    now: float,
+) -> float | None:
+    """When the next transfer probe may leave (monotonic); None while the engine is not
+    registered or paused. Every ``interval`` (SIDECAR_KV_PROBE_INTERVAL) while it passes, every
+    ``retry`` while failing or unproven, and at once (at most every ``retry``) when an endpoint's
+    metrics (``others``) counted a failed transfer since the last probe started."""
+    if not ep.registration.registered or ep.lifecycle.paused:
+        return None
+    last = ep.canary.last
+    if last is None:
+        return now
+    passing = ep.canary.ready and not ep.canary.failures
+    due = last.finished + (interval if passing else policy.retry)
+    failed_since = any(
+        other.transfers.recent and other.transfers.recent[-1][0] > last.started for other in others
+    )
+    if failed_since:
+        due = min(due, max(last.finished, last.started + policy.retry))
+    return due
+
+
+def maintenance_due(endpoints: Iterable[EndpointState]) -> Maintenance | None:
+    """The declared maintenance window that ends first, if any."""
+    windows = [ep.lifecycle.maintenance for ep in endpoints if ep.lifecycle.maintenance]
+    return min(windows, key=lambda m: m.until, default=None)

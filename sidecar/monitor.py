@@ -28,7 +28,7 @@ import time
 import uuid
 
 from sidecar.canary import CanaryPlan, ProbeKind
-from sidecar.endpoint import canary_due, suspected
+from sidecar.endpoint import canary_due, maintenance_due, suspected, transfer_due
 from sidecar.engine import EngineClient
 from sidecar.evidence.lifecycle import sleeping_in
 from sidecar.evidence.progress import (
@@ -181,47 +181,26 @@ class Monitor:
         """End a declared maintenance window at its deadline."""
         while True:
             changed = self._changed
-            windows = [
-                ep.lifecycle.maintenance
-                for ep in self.health.snapshot.endpoints.values()
-                if ep.lifecycle.maintenance is not None
-            ]
-            first = min(windows, key=lambda m: m.until, default=None)
+            first = maintenance_due(self.health.snapshot.endpoints.values())
             if not await self._reached(first.until if first else None, changed):
                 continue
             assert first is not None
             self.health.end_maintenance(f"its {first.until - first.since:g} s are up")
             self._changed_now()
 
-    def _transfer_due(self, name: str) -> float | None:
-        """When the next transfer probe may leave: every SIDECAR_KV_PROBE_INTERVAL while it
-        passes, every retry interval while failing or unproven, and at once (at most every
-        retry) when this worker's metrics counted a failed transfer since the last probe."""
-        snap = self.health.snapshot
-        ep = snap.endpoints[name]
-        if not ep.registration.registered or ep.lifecycle.paused:
-            return None
-        last, policy = ep.canary.last, self.health.policy
-        if last is None:
-            return self.health.clock()
-        interval = (
-            self.probe_interval if ep.canary.ready and not ep.canary.failures else policy.retry
-        )
-        due = last.finished + interval
-        failed_since = any(
-            other.transfers.recent and other.transfers.recent[-1][0] > last.started
-            for other in snap.endpoints.values()
-        )
-        if failed_since:
-            due = min(due, max(last.finished, last.started + policy.retry))
-        return due
-
     async def _transfer_loop(self, name: str) -> None:
         probe = self.transfer_probe
         assert probe is not None
         while True:
             changed = self._changed
-            due = self._transfer_due(name)
+            snap = self.health.snapshot
+            due = transfer_due(
+                snap.endpoints[name],
+                snap.endpoints.values(),
+                self.health.policy,
+                self.probe_interval,
+                self.health.clock(),
+            )
             if not await self._reached(due, changed):
                 continue
             # Its registration loop learns the served model, as a canary's does.

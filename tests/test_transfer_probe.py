@@ -4,12 +4,26 @@ tests/test_vllm_real.py."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from sidecar.canary.transfer import REMOTE_DECODE, bodies, generated, probe_prompt, transfer_params
 from sidecar.config import StartingStatus
+from sidecar.endpoint import (
+    EndpointState,
+    apply_canary,
+    apply_registration,
+    apply_transfers,
+    maintenance_due,
+    transfer_due,
+)
+from sidecar.evidence import lifecycle
+from sidecar.evidence.result import Outcome, Result
+from sidecar.evidence.transfers import TransferSample
 from sidecar.verdict import Rule, Verdict, decide_readiness
 from tests.support.harness import wait_until
+from tests.support.tables import POLICY
 
 R, N = Verdict(True, "ok"), Verdict(False, "canary timeout: the transfer probe did not finish")
 
@@ -67,6 +81,48 @@ def test_kv_transfer_gates_readiness_only_when_listed(kv, listed, ready, rule):
 
 
 # --- against a fake prefill/decode pair ---------------------------------------------------------
+def probed(outcome: Outcome, at: float) -> EndpointState:
+    """A registered kv_transfer endpoint whose one probe ran from ``at`` to ``at`` + 0.5."""
+    up = Result(Outcome.SUCCESS, "ok", 0.0, 0.01, 1e9)
+    ep = apply_registration(EndpointState("kv_transfer", True, "why", liveness=False), up, POLICY)
+    done = Result(outcome, "probe", at, at + 0.5, 1e9 + at)
+    return apply_canary(ep, done, ep.incarnation, POLICY)
+
+
+def failed_transfer_at(at: float) -> EndpointState:
+    ep = EndpointState("generate", True, "why")
+    ep = apply_transfers(ep, TransferSample(at - 1, 1e9, {"failed": 0.0}))
+    return apply_transfers(ep, TransferSample(at, 1e9, {"failed": 1.0}))
+
+
+INTERVAL = 60.0
+
+
+@pytest.mark.parametrize(
+    ("ep", "others", "due", "why"),
+    [
+        (EndpointState("kv_transfer", True, "why"), (), None, "not registered: nothing"),
+        (probed(Outcome.SUCCESS, 10.0), (), 10.5 + INTERVAL, "passing: every interval"),
+        (probed(Outcome.TIMEOUT, 10.0), (), 10.5 + POLICY.retry, "failing: every retry"),
+        (probed(Outcome.SUCCESS, 10.0), (failed_transfer_at(20.0),), 11.0, "failed since: at once"),
+        (probed(Outcome.SUCCESS, 10.0), (failed_transfer_at(9.0),), 70.5, "failed before: wait"),
+    ],
+)
+def test_when_the_transfer_probe_is_due(ep, others, due, why):
+    assert transfer_due(ep, others, POLICY, INTERVAL, now=30.0) == due, why
+
+
+def test_a_first_probe_is_due_at_once_and_a_paused_engine_gets_none():
+    up = Result(Outcome.SUCCESS, "ok", 0.0, 0.01, 1e9)
+    fresh = apply_registration(EndpointState("kv_transfer", True, "why"), up, POLICY)
+    assert transfer_due(fresh, (), POLICY, INTERVAL, now=3.0) == 3.0
+    asleep = lifecycle.start_maintenance(fresh.lifecycle, "upgrade", 60.0, 3.0, 1e9)
+    paused = replace(fresh, lifecycle=asleep)
+    assert transfer_due(paused, (), POLICY, INTERVAL, now=3.0) is None
+    assert maintenance_due([fresh, paused]) == asleep.maintenance
+    assert maintenance_due([fresh]) is None
+
+
 def pair(engine, sidecar, **extra: str):
     prefill = engine("vllm", "prefill")
     decode = engine("vllm", "decode")
