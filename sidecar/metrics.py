@@ -216,7 +216,7 @@ class Metrics:
         self.registry = CollectorRegistry(auto_describe=True)
         self.canaries = Counter(
             f"{PREFIX}_canary",
-            "Canaries by outcome (success, timeout, error, refused, invalid).",
+            "Canaries by outcome (" + ", ".join(o.value for o in Outcome) + ").",
             ["endpoint", "outcome"],
             registry=self.registry,
         )

@@ -418,17 +418,3 @@ def test_dockerignore_sends_only_what_the_image_installs():
     for path in ("pyproject.toml", "README.md", "sidecar/cli.py", "sidecar/canary/vllm.py"):
         assert not ignored(path, patterns), path
     assert ignored("sidecar/__pycache__/cli.cpython-311.pyc", patterns)
-
-
-# --- docs ----------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("doc", ["README.md"])
-def test_documented_paths_exist(doc: str):
-    path = ROOT / doc
-    if not path.is_file():
-        pytest.skip(f"{doc} does not exist")
-    text = path.read_text(encoding="utf-8")
-    for ref in re.findall(r"\b((?:deploy|config|scripts)/[\w./-]*\w)", text):
-        if "<" not in ref:
-            assert (ROOT / ref).exists(), f"{doc} mentions {ref}, which does not exist"
