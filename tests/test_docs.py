@@ -338,6 +338,19 @@ def test_the_metrics_table_names_exactly_what_is_exported(monkeypatch):
             assert labels == real_labels, name
 
 
+def test_the_metrics_table_gives_every_scrape_time_family_its_type_and_labels():
+    """The collector's rows as the docs table says, label names included for the families a
+    fresh sidecar shows no sample of (ranks, KV transfers, liveness clocks)."""
+    from sidecar.metrics import EP, PREFIX, ROWS, WorkerRow
+
+    documented = _documented()
+    for row in ROWS:
+        name = f"{PREFIX}_{row.name}" + {"counter": "_total", "info": "_info"}.get(row.kind, "")
+        assert documented.get(name) == (row.kind, set(row.labels)), name
+        if not isinstance(row, WorkerRow):  # the collector fills the endpoint label first
+            assert row.labels[: len(EP)] == EP, name
+
+
 # --- (b) paths, (d) links, defaults, (c) length --------------------------------------------------
 def mentioned_paths(text: str) -> set[str]:
     """Paths from the repository's root; link targets are relative to their document, and
