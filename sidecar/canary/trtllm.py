@@ -2,9 +2,10 @@
 ``"disaggregated_params": {"request_type": "context_and_generation"}``.
 
 A Dynamo TensorRT-LLM decode worker given a request without it answers "Disaggregated params are
-required for decode mode" (Dynamo DIS-1737: the canary crash loop). ``context_and_generation``
-makes the worker run the probe as a local prefill plus decode: no peer, no KV transfer, nothing
-pinned. Never forge ``generation_only`` params: newer builds reject unsigned ones.
+required for decode mode" (Dynamo's own canary crash-looped decode workers on it).
+``context_and_generation`` makes the worker run the probe as a local prefill plus decode: no
+peer, no KV transfer, nothing pinned. Never forge ``generation_only`` params: newer builds
+reject unsigned ones.
 """
 
 from __future__ import annotations

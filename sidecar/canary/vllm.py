@@ -58,8 +58,8 @@ class VllmProber(Prober):
         Series("vllm:engine_sleep_state", (("sleep_state", "awake"),)),
     )
 
-    # NIXL's counters on the decode side (only decode records transfers), measured on a real
-    # prefill/decode pair: a killed peer adds 2 failed transfers and 1 failed notification.
+    # NIXL's counters on the decode side (only decode records transfers); a killed peer moves
+    # both (docs/concepts/transfers.md).
     transfers: ClassVar[TransferSpec | None] = TransferSpec(
         failures={
             "failed_transfers": series("vllm:nixl_num_failed_transfers_total"),

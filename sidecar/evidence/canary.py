@@ -65,8 +65,9 @@ class CanaryState:
 def _hard(result: Result, proven: bool) -> bool:
     """A failure a restart could fix: a hang, a server error, or a rejection of the very canary
     that passed before in this incarnation (the engine changed: a Dynamo worker dropped from
-    discovery answers 404). A canary rejected from the start is a configuration problem
-    (DIS-1737): a restart cannot fix it. Refusals and malformed bodies are not hard."""
+    discovery answers 404). A canary rejected from the start is a configuration problem (the
+    wrong canary for the role): a restart cannot fix it. Refusals and malformed bodies are not
+    hard."""
     return result.outcome is Outcome.TIMEOUT or result.server_error or (result.rejected and proven)
 
 

@@ -9,8 +9,8 @@ per fetch stage.
 
 What this source may do: say in /health and the metrics that transfers fail, attributed to the
 peer side. What it may not do: change a verdict or start a liveness clock. The decode worker
-itself still serves (its local canary passes); restarting it would fix nothing, as in DIS-1737's
-crash loop. The failures are counted over a sliding window, so the note ends by itself once the
+itself still serves (its local canary passes); restarting it would fix nothing and crash-loop
+it. The failures are counted over a sliding window, so the note ends by itself once the
 peers are healthy again.
 """
 

@@ -50,7 +50,7 @@ def _text(exc: BaseException) -> str:
 
 def classify(exc: BaseException) -> tuple[Outcome, str, bool]:
     """(outcome, reason, the worker itself refused) for an exception of the runtime client, as
-    measured on ai-dynamo-runtime 1.6.1:
+    ai-dynamo-runtime 1.6.1 raises them:
 
     - ``InvalidRequest: <type>: <message>`` and ``Internal: <type>: <message>`` (both raised as
       ValueError: the handler raised a ValueError, or anything else): the worker's handler

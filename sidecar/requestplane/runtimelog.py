@@ -2,7 +2,7 @@
 
 The runtime logs a line for every request it routes ("route request completed", "... failed")
 straight to file descriptor 2, and always: its logging appends an always-on directive for its
-request span that no DYN_LOG value overrides (measured on 1.6.1). The sidecar logs one line per
+request span that no DYN_LOG value overrides (1.6.1). The sidecar logs one line per
 state change, none per probe. So file descriptor 2 becomes a pipe, read by one thread for the
 life of the process, which hands each line to the ``dynamo.runtime`` logger: at DEBUG, except the
 runtime's errors, at WARNING. The sidecar's own log handlers keep writing to the real stderr.

@@ -2,7 +2,7 @@
 ``"disaggregated_params": {"request_type": "context_and_generation"}`` to the marked payload.
 
 A Dynamo TensorRT-LLM decode worker raises "Disaggregated params are required for decode mode"
-for any request without them (DIS-1737: Dynamo's own canary crash-looped its decode workers). It
+for any request without them (Dynamo's own canary crash-looped its decode workers on it). It
 runs a request locally, as a prefill plus decode with no peer and no KV transfer, only when the
 request carries both the ``_HEALTH_CHECK`` marker and these params.
 """
