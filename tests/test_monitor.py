@@ -1,0 +1,209 @@
+"""The monitor in-process, on a virtual clock (aiotools' VirtualClock), against a scripted engine
+client: its timing rules, tested without wall-clock windows.
+
+Every ``asyncio.sleep`` and timeout of the monitor completes at once while the loop's clock
+advances by its length; the Health reads the same clock. So "notready within the bound" is an
+exact statement about the schedule, whatever the machine's load.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+from aiotools import VirtualClock
+
+from sidecar.canary import CanaryPlan, CanaryRequest, plan_canary
+from sidecar.config import Settings, load_settings
+from sidecar.evidence.result import Outcome, Result
+from sidecar.health import Health, liveness_of, readiness_of
+from sidecar.monitor import Monitor
+from sidecar.probes import size
+
+VLLM_METRICS = """\
+vllm:num_requests_running{engine="0",model_name="tiny"} 0.0
+vllm:num_requests_running{engine="1",model_name="tiny"} 0.0
+vllm:num_requests_waiting{engine="0",model_name="tiny"} 0.0
+vllm:num_requests_waiting{engine="1",model_name="tiny"} 0.0
+vllm:prompt_tokens_total{engine="0",model_name="tiny"} 10.0
+vllm:prompt_tokens_total{engine="1",model_name="tiny"} 10.0
+"""
+
+
+class ScriptedEngine:
+    """The EngineClient's interface, answered from memory after the virtual time a real engine
+    would take. ``hung`` makes every canary wait for its whole deadline; the calls are counted."""
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self.hung = False
+        self.calls: dict[str, int] = {}
+        self.in_flight = 0
+        self.most_in_flight = 0
+        self.canary_starts: list[float] = []
+
+    def _count(self, what: str) -> float:
+        self.calls[what] = self.calls.get(what, 0) + 1
+        return asyncio.get_running_loop().time()
+
+    def _result(self, outcome: Outcome, reason: str, started: float) -> Result:
+        return Result(outcome, reason, started, asyncio.get_running_loop().time(), 1e9, "r", 200)
+
+    async def registration(self, path: str) -> Result:
+        started = self._count("registration")
+        await asyncio.sleep(0.001)
+        return self._result(Outcome.SUCCESS, f"GET {path} -> 200", started)
+
+    async def served_model(self) -> tuple[str | None, str]:
+        self._count("served_model")
+        return "tiny", "GET /v1/models -> 200"
+
+    async def sleep_state(self, path: str) -> tuple[bool | None, str, bool]:
+        self._count("sleep_state")
+        return None, f"GET {path} -> 404", True
+
+    async def metrics_text(self, path: str) -> tuple[str | None, str]:
+        self._count("metrics")
+        await asyncio.sleep(0.001)
+        return VLLM_METRICS, f"GET {path} -> 200"
+
+    async def canary(self, plan: CanaryPlan, request: CanaryRequest) -> Result:
+        started = self._count("canary")
+        self.canary_starts.append(started)
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        try:
+            if self.hung:
+                await asyncio.sleep(self.timeout)
+                return self._result(Outcome.TIMEOUT, "canary timeout", started)
+            await asyncio.sleep(0.01)
+            return self._result(Outcome.SUCCESS, "complete, well-formed answer", started)
+        finally:
+            self.in_flight -= 1
+
+
+def settings(monkeypatch: pytest.MonkeyPatch, **env: str) -> Settings:
+    for field in Settings.model_fields.values():
+        monkeypatch.delenv(str(field.validation_alias), raising=False)
+    base = {"DYN_HEALTH_CHECK_ENABLED": "true", "SIDECAR_MODEL": "tiny"}
+    for name, value in (base | env).items():
+        monkeypatch.setenv(name, value)
+    return load_settings()
+
+
+def run_virtually(
+    s: Settings, script: Callable[[Health, ScriptedEngine], Awaitable[Any]]
+) -> tuple[Health, ScriptedEngine]:
+    """Run a Monitor on a virtual clock while ``script`` drives the engine and looks on."""
+
+    async def main() -> tuple[Health, ScriptedEngine]:
+        loop = asyncio.get_running_loop()
+        with VirtualClock().patch_loop():
+            plan = plan_canary(s)
+            ranks = s.dp_ranks if isinstance(s.dp_ranks, int) else 1
+            plans = [plan.for_rank(r) for r in range(ranks)] if ranks > 1 else [plan]
+            health = Health(s, plans, clock=loop.time)
+            engine = ScriptedEngine(s.request_timeout)
+            monitor = Monitor(
+                health,
+                engine,  # type: ignore[arg-type]
+                s.registration_path or plan.prober.registration_path,
+                s.registration_interval,
+                watch_progress=s.progress_enabled,
+                metrics_path=s.metrics_path,
+                metrics_interval=s.metrics_interval,
+            )
+            task = asyncio.create_task(monitor.run())
+            try:
+                await script(health, engine)
+            finally:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+            return health, engine
+
+    return asyncio.run(main())
+
+
+async def until(what: Callable[[], bool], limit: float, step: float = 0.01) -> float:
+    """Virtual seconds until ``what()`` holds (fails past ``limit``)."""
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    while not what():
+        assert loop.time() - start < limit, f"not within {limit} virtual s"
+        await asyncio.sleep(step)
+    return loop.time() - start
+
+
+def ready(health: Health) -> bool:
+    return readiness_of(health.snapshot, health.clock()).ready
+
+
+@pytest.mark.parametrize("phase", [0.0, 2.5, 5.0, 9.9])
+def test_a_hang_is_notready_within_the_bound_whenever_it_starts(monkeypatch, phase):
+    s = settings(monkeypatch)
+    bound = size(s, 7200).hang_to_notready  # what `health-sidecar probes` sizes the probes by
+    took: list[float] = []
+
+    async def script(health: Health, engine: ScriptedEngine) -> None:
+        await until(lambda: ready(health), 5)
+        await asyncio.sleep(phase)  # the hang starts at any point of the schedule
+        engine.hung = True
+        took.append(await until(lambda: not ready(health), bound + 1))
+
+    _, engine = run_virtually(s, script)
+    assert took[0] <= bound, (took, bound)
+    assert engine.most_in_flight == 1  # never two canaries at once, hung or not
+
+
+def test_an_idle_healthy_engine_gets_one_canary_per_wait(monkeypatch):
+    s = settings(monkeypatch, DYN_CANARY_WAIT_TIME="10")
+
+    async def script(health: Health, engine: ScriptedEngine) -> None:
+        await until(lambda: ready(health), 5)
+        first = len(engine.canary_starts)
+        await asyncio.sleep(60)
+        assert len(engine.canary_starts) - first in (5, 6, 7)
+        gaps = [b - a for a, b in zip(engine.canary_starts, engine.canary_starts[1:], strict=False)]
+        assert all(9.9 <= gap <= 11.1 for gap in gaps), gaps
+
+    run_virtually(s, script)
+
+
+def test_liveness_fails_one_window_after_the_hard_failures_start(monkeypatch):
+    s = settings(monkeypatch, SIDECAR_LIVENESS_WINDOW="30")
+
+    async def script(health: Health, engine: ScriptedEngine) -> None:
+        await until(lambda: ready(health), 5)
+        sent = engine.calls["canary"]
+        engine.hung = True
+        await until(lambda: engine.calls["canary"] > sent, 20)
+        first_hung = engine.canary_starts[-1]
+        loop = asyncio.get_running_loop()
+        await until(lambda: not liveness_of(health.snapshot, loop.time()).live, 60)
+        # The clock starts when the first canary that hung left (the engine was hung from then
+        # on, as its timeout proves) and runs the whole window.
+        assert loop.time() - first_hung == pytest.approx(30, abs=0.05)
+
+    run_virtually(s, script)
+
+
+def test_the_engine_is_read_once_per_interval_for_all_its_ranks(monkeypatch):
+    s = settings(monkeypatch, SIDECAR_DP_RANKS="2")
+    counted: dict[str, int] = {}
+
+    async def script(health: Health, engine: ScriptedEngine) -> None:
+        await until(lambda: ready(health), 5)
+        before = dict(engine.calls)
+        await asyncio.sleep(25)
+        counted.update({k: engine.calls.get(k, 0) - before.get(k, 0) for k in engine.calls})
+        assert set(health.snapshot.endpoints) == {"generate/rank0", "generate/rank1"}
+
+    run_virtually(s, script)
+    # One registration check and one metrics read a second, not one per rank.
+    assert 24 <= counted["registration"] <= 26, counted
+    # (Each canary also reads the metrics as it leaves: its own baseline.)
+    assert 24 <= counted["metrics"] - counted["canary"] <= 26, counted
+    # Each rank has its own canary, every wait (10 s): two each in 25 s.
+    assert counted["canary"] == 4, counted
