@@ -2,9 +2,10 @@
 
 One async route, ``GET``/``HEAD /health``, returns a constant JSON body of the size of the
 sidecar's ``/health`` (about 850 bytes) through ``JSONResponse``, as the sidecar's route does.
-uvicorn gets the sidecar's options (``sidecar/server.py``: ``log_config=None``,
+uvicorn gets the sidecar's options (``sidecar/runtime/server.py``: ``log_config=None``,
 ``access_log=False``, ``lifespan="off"``, ``server_header=False``, httptools chosen by
-``http="auto"``) and runs on uvloop through ``asyncio.Runner``, as ``sidecar.server.run`` does.
+``http="auto"``) and runs on uvloop through ``asyncio.Runner``, as ``sidecar.runtime.server.run``
+does.
 Whatever the sidecar's ``/health`` costs beyond this app is the sidecar's own work.
 
     python -m bench.bare_app --port 9191

@@ -11,11 +11,11 @@ and every marker must name a generator.
 The sources, one for each fact:
 
 - ``settings``: the variables, from ``sidecar.config.Settings.model_fields``;
-- ``policy``: the timings, from ``sidecar.evidence.policy.Policy`` (its fields, and its
+- ``policy``: the timings, from ``sidecar.core.evidence.policy.Policy`` (its fields, and its
   properties' formulas read from their source), with their values at ``Policy()`` and at the
   default settings;
 - ``verdict``, ``rank-verdict``, ``rules``: the decision tables and rules, from the docstrings of
-  ``sidecar.verdict`` and its ``Rule``/``RULE_TEXT`` (tests/test_docs.py evaluates every row of
+  ``sidecar.core.verdict`` and its ``Rule``/``RULE_TEXT`` (tests/test_docs.py evaluates every row of
   the tables against the functions);
 - ``cli-help``, ``check-config``, ``probes``: what ``health-sidecar --help``, ``--check-config``
   and ``probes`` print for ``config/vllm-aggregated.env``.
@@ -43,9 +43,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: import the checkout's sidecar
     sys.path.insert(0, str(ROOT))
 
-from sidecar import verdict  # noqa: E402
 from sidecar.config import Settings, load_settings  # noqa: E402
-from sidecar.evidence.policy import Policy  # noqa: E402
+from sidecar.core import verdict  # noqa: E402
+from sidecar.core.evidence.policy import Policy  # noqa: E402
 
 PROFILE = "config/vllm-aggregated.env"
 MARKER = re.compile(
@@ -147,7 +147,7 @@ def settings_table(fields: Mapping[str, Any] | None = None) -> str:
 def _setting_names() -> dict[str, str]:
     """Policy field -> the Settings attribute ``policy_from`` fills it from (read from its
     source, so a field wired to another setting shows here)."""
-    from sidecar.health import policy_from
+    from sidecar.runtime.health import policy_from
 
     tree = ast.parse(textwrap.dedent(inspect.getsource(policy_from)))
     call = next(n for n in ast.walk(tree) if isinstance(n, ast.Call) and n.keywords)
@@ -192,7 +192,7 @@ def _properties(cls: type) -> dict[str, property]:
 def policy_section(policy_cls: type = Policy) -> str:
     """The policy's fields and derived timings, with their values at ``Policy()`` and at the
     default settings."""
-    from sidecar.health import policy_from
+    from sidecar.runtime.health import policy_from
 
     bare = policy_cls()
     settings = default_settings()
@@ -296,7 +296,7 @@ def rules_table() -> str:
 
 # --- the command line --------------------------------------------------------------------------
 def cli_help() -> str:
-    from sidecar import cli
+    from sidecar.tools import cli
 
     with clean_environment():
         text = cli._parser().format_help()
@@ -304,14 +304,14 @@ def cli_help() -> str:
 
 
 def check_config() -> str:
-    from sidecar.plan import render
+    from sidecar.tools.plan import render
 
     text = render(profile_settings())
     return f"```text\n$ health-sidecar --env-file {PROFILE} --check-config\n{text}\n```"
 
 
 def probes() -> str:
-    from sidecar.probes import render
+    from sidecar.tools.probes import render
 
     text = render(profile_settings(), 7200.0)
     command = f"health-sidecar --env-file {PROFILE} probes --max-load-seconds 7200"

@@ -238,7 +238,7 @@ class Settings(BaseSettings):
 
     # Dynamo's runtime variables, read for the request-plane transport (SIDECAR_TRANSPORT=dynamo):
     # give the sidecar the worker's values. Its runtime client sees only these and the DYN_TCP_*,
-    # DYN_HTTP_RPC_*, NATS_* and ETCD_* variables (sidecar/requestplane/environment.py).
+    # DYN_HTTP_RPC_*, NATS_* and ETCD_* variables (sidecar/runtime/requestplane/environment.py).
     discovery_backend: DiscoveryBackend = _env(
         "DYN_DISCOVERY_BACKEND",
         DiscoveryBackend.ETCD,

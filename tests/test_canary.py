@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from sidecar.canary import plan_canary
 from sidecar.config import Settings
+from sidecar.probes import plan_canary
 
 ON = {"DYN_HEALTH_CHECK_ENABLED": "true"}
 

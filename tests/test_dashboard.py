@@ -86,7 +86,7 @@ def exported() -> set[str]:
     from prometheus_client.parser import text_string_to_metric_families
 
     from sidecar.config import load_settings
-    from sidecar.server import build
+    from sidecar.runtime.server import build
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("DYN_HEALTH_CHECK_ENABLED", "true")

@@ -24,7 +24,7 @@ import pytest
 import yaml
 
 from sidecar.config import Settings, load_settings
-from sidecar.probes import render
+from sidecar.tools.probes import render
 from tests.support.deployfiles import (
     MAX_LOAD_SECONDS,
     OLDEST_K8S,
@@ -415,6 +415,6 @@ def test_dockerignore_sends_only_what_the_image_installs():
     patterns = [line.strip() for line in lines if line.strip() and not line.startswith("#")]
     for path in (".venv/bin/python", "tests/test_deploy.py", ".git/HEAD", "deploy/compose/x.yml"):
         assert ignored(path, patterns), path
-    for path in ("pyproject.toml", "README.md", "sidecar/cli.py", "sidecar/canary/vllm.py"):
+    for path in ("pyproject.toml", "README.md", "sidecar/tools/cli.py", "sidecar/probes/vllm.py"):
         assert not ignored(path, patterns), path
     assert ignored("sidecar/__pycache__/cli.cpython-311.pyc", patterns)

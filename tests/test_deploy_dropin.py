@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from sidecar.config import Settings, load_settings
-from sidecar.probes import render
+from sidecar.tools.probes import render
 from tests.support.deployfiles import (
     MAX_LOAD_SECONDS,
     OLDEST_K8S,

@@ -22,19 +22,19 @@ from types import ModuleType
 
 import pytest
 
-from sidecar import verdict
 from sidecar.config import Settings
-from sidecar.endpoint import (
+from sidecar.core import verdict
+from sidecar.core.endpoint import (
     EndpointState,
     apply_canary,
     apply_discovery,
     apply_lifecycle,
     apply_registration,
 )
-from sidecar.evidence import lifecycle
-from sidecar.evidence.policy import Policy
-from sidecar.evidence.result import Outcome, Result
-from sidecar.verdict import Verdict, endpoint_verdict, rank_verdict
+from sidecar.core.evidence import lifecycle
+from sidecar.core.evidence.policy import Policy
+from sidecar.core.evidence.result import Outcome, Result
+from sidecar.core.verdict import Verdict, endpoint_verdict, rank_verdict
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gen_docs.py"
@@ -197,7 +197,7 @@ def _orphaned() -> EndpointState:
     return apply_discovery(ep, False, "dyn://ns.worker.generate/7", 2.0, "etcd")
 
 
-# (registration, canary) as the table in sidecar/verdict.py writes them -> a state that is so.
+# (registration, canary) as the table in sidecar/core/verdict.py writes them -> a state that is so.
 ENDPOINT_ROWS: dict[tuple[str, str], Callable[[], EndpointState]] = {
     ("not checked yet", "any"): lambda: EndpointState("generate", True, "why"),
     ("any", "in maintenance"): _maintained,
@@ -303,7 +303,7 @@ def _exported(monkeypatch: pytest.MonkeyPatch) -> dict[str, tuple[str, set[str] 
     from prometheus_client.parser import text_string_to_metric_families
 
     from sidecar.config import load_settings
-    from sidecar.server import build
+    from sidecar.runtime.server import build
 
     for field in Settings.model_fields.values():
         monkeypatch.delenv(str(field.validation_alias), raising=False)
@@ -341,7 +341,7 @@ def test_the_metrics_table_names_exactly_what_is_exported(monkeypatch):
 def test_the_metrics_table_gives_every_scrape_time_family_its_type_and_labels():
     """The collector's rows as the docs table says, label names included for the families a
     fresh sidecar shows no sample of (ranks, KV transfers, liveness clocks)."""
-    from sidecar.metrics import EP, PREFIX, ROWS, WorkerRow
+    from sidecar.surface.metrics import EP, PREFIX, ROWS, WorkerRow
 
     documented = _documented()
     for row in ROWS:

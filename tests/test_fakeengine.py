@@ -20,7 +20,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from sidecar.canary.transfer import REMOTE_DECODE
+from sidecar.probes.transfer import REMOTE_DECODE
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 HOST = "127.0.0.1"

@@ -8,11 +8,8 @@ from dataclasses import replace
 
 import pytest
 
-from sidecar.canary.base import Role
-from sidecar.canary.sglang import SglangProber
-from sidecar.canary.vllm import VllmProber
 from sidecar.config import Mode, ModelType
-from sidecar.endpoint import (
+from sidecar.core.endpoint import (
     EndpointState,
     apply_canary,
     apply_lifecycle,
@@ -21,12 +18,15 @@ from sidecar.endpoint import (
     canary_due,
     judged,
 )
-from sidecar.evidence import lifecycle
-from sidecar.evidence.lifecycle import LifecycleState, sleeping_in
-from sidecar.evidence.policy import Policy
-from sidecar.evidence.result import Outcome, Result
-from sidecar.evidence.transfers import TransferState, on_transfers, read_transfers
-from sidecar.verdict import clocks, decide_liveness, endpoint_verdict
+from sidecar.core.evidence import lifecycle
+from sidecar.core.evidence.lifecycle import LifecycleState, sleeping_in
+from sidecar.core.evidence.policy import Policy
+from sidecar.core.evidence.result import Outcome, Result
+from sidecar.core.evidence.transfers import TransferState, on_transfers, read_transfers
+from sidecar.core.verdict import clocks, decide_liveness, endpoint_verdict
+from sidecar.probes.base import Role
+from sidecar.probes.sglang import SglangProber
+from sidecar.probes.vllm import VllmProber
 
 POLICY = Policy(
     failure_threshold=2, success_threshold=1, wait=1.0, retry=1.0, timeout=0.5,

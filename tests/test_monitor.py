@@ -15,12 +15,12 @@ from typing import Any
 import pytest
 from aiotools import VirtualClock
 
-from sidecar.canary import CanaryPlan, CanaryRequest, plan_canary
 from sidecar.config import Settings, load_settings
-from sidecar.evidence.result import Outcome, Result
-from sidecar.health import Health, liveness_of, readiness_of
-from sidecar.monitor import Monitor
-from sidecar.probes import size
+from sidecar.core.evidence.result import Outcome, Result
+from sidecar.probes import CanaryPlan, CanaryRequest, plan_canary
+from sidecar.runtime.health import Health, liveness_of, readiness_of
+from sidecar.runtime.monitor import Monitor
+from sidecar.tools.probes import size
 
 VLLM_METRICS = """\
 vllm:num_requests_running{engine="0",model_name="tiny"} 0.0

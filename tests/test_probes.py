@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from sidecar.config import Settings, load_settings
-from sidecar.probes import READINESS_TARGET_SECONDS, render, size
+from sidecar.tools.probes import READINESS_TARGET_SECONDS, render, size
 from tests.support.harness import ROOT, base_env
 
 CANARY = {

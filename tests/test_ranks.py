@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from sidecar.canary import plan_canary
 from sidecar.config import ConfigError, Settings, load_settings
-from sidecar.evidence.progress import ranks_in, read_progress
-from sidecar.verdict import Verdict, rank_verdict
+from sidecar.core.evidence.progress import ranks_in, read_progress
+from sidecar.core.verdict import Verdict, rank_verdict
+from sidecar.probes import plan_canary
 
 R = Verdict(True, "canary passed in 9 ms")
 N = Verdict(False, "canary timeout: no complete answer within 3 s")

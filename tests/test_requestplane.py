@@ -9,11 +9,8 @@ import logging
 
 import pytest
 
-from sidecar.canary import plan_canary
-from sidecar.canary.dynamo import HEALTH_CHECK_KEY
-from sidecar.canary.dynamo.base import stream_problem
 from sidecar.config import Settings
-from sidecar.endpoint import (
+from sidecar.core.endpoint import (
     EndpointState,
     apply_canary,
     apply_discovery,
@@ -21,20 +18,23 @@ from sidecar.endpoint import (
     apply_registration,
     canary_due,
 )
-from sidecar.evidence.discovery import DiscoveryState, on_discovery
-from sidecar.evidence.policy import Policy
-from sidecar.evidence.progress import MetricsUnreadable
-from sidecar.evidence.result import Outcome, Result
-from sidecar.requestplane.client import classify, url_safe
-from sidecar.requestplane.environment import client_environment
-from sidecar.requestplane.identity import (
+from sidecar.core.evidence.discovery import DiscoveryState, on_discovery
+from sidecar.core.evidence.policy import Policy
+from sidecar.core.evidence.progress import MetricsUnreadable
+from sidecar.core.evidence.result import Outcome, Result
+from sidecar.core.verdict import Cause, clocks, decide_liveness, endpoint_verdict, engine_undersells
+from sidecar.probes import plan_canary
+from sidecar.probes.dynamo import HEALTH_CHECK_KEY
+from sidecar.probes.dynamo.base import stream_problem
+from sidecar.runtime.requestplane.client import classify, url_safe
+from sidecar.runtime.requestplane.environment import client_environment
+from sidecar.runtime.requestplane.identity import (
     Instance,
     instances_in_metadata,
     instances_in_metrics,
     pick,
 )
-from sidecar.requestplane.runtimelog import level_of
-from sidecar.verdict import Cause, clocks, decide_liveness, endpoint_verdict, engine_undersells
+from sidecar.runtime.requestplane.runtimelog import level_of
 
 POLICY = Policy(wait=1.0, retry=1.0, timeout=0.5, liveness_window=10.0)
 WORKER = "fc2c7986cab39224"

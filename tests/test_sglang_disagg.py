@@ -17,9 +17,9 @@ from typing import Any
 import httpx
 import pytest
 
-from sidecar.canary.base import Role
-from sidecar.canary.sglang import SglangProber
 from sidecar.config import Mode, ModelType
+from sidecar.probes.base import Role
+from sidecar.probes.sglang import SglangProber
 from tests.support.harness import wait_until
 from tests.support.netns import isolated  # noqa: F401  (the module's private network namespace)
 from tests.support.sglang_engine import (

@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from sidecar.canary import plan_canary
 from sidecar.config import Settings
+from sidecar.probes import plan_canary
 from tests.support.harness import wait_until
 from tests.support.netns import isolated  # noqa: F401  (the module's private network namespace)
 from tests.support.sglang_engine import SglangServer, check, sglang_env, sglang_server

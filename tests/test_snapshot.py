@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from fastapi.testclient import TestClient
 
-from sidecar.app import create_app
-from sidecar.canary import plan_canary
 from sidecar.config import load_settings
-from sidecar.evidence.result import Outcome, Result
-from sidecar.health import Health
-from sidecar.metrics import Metrics
-from sidecar.verdict import HEARTBEAT_STALE
+from sidecar.core.evidence.result import Outcome, Result
+from sidecar.core.verdict import HEARTBEAT_STALE
+from sidecar.probes import plan_canary
+from sidecar.runtime.health import Health
+from sidecar.surface.app import create_app
+from sidecar.surface.metrics import Metrics
 
 
 class Clock:

@@ -23,14 +23,14 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from sidecar.app import create_app
-from sidecar.canary import plan_canary
 from sidecar.config import ConfigError, load_settings
-from sidecar.evidence.result import Outcome, Result
-from sidecar.health import Health
-from sidecar.history import History, scrub
-from sidecar.metrics import Metrics
-from sidecar.statuspage import render
+from sidecar.core.evidence.result import Outcome, Result
+from sidecar.probes import plan_canary
+from sidecar.runtime.health import Health
+from sidecar.surface.app import create_app
+from sidecar.surface.history import History, scrub
+from sidecar.surface.metrics import Metrics
+from sidecar.surface.statuspage import render
 from tests.support.harness import ROOT, Sidecar, base_env, wait_until
 from tests.support.prerequisites import missing as prerequisite_missing
 

@@ -8,9 +8,8 @@ from dataclasses import replace
 
 import pytest
 
-from sidecar.canary.transfer import REMOTE_DECODE, bodies, generated, probe_prompt, transfer_params
 from sidecar.config import StartingStatus
-from sidecar.endpoint import (
+from sidecar.core.endpoint import (
     EndpointState,
     apply_canary,
     apply_registration,
@@ -18,10 +17,11 @@ from sidecar.endpoint import (
     maintenance_due,
     transfer_due,
 )
-from sidecar.evidence import lifecycle
-from sidecar.evidence.result import Outcome, Result
-from sidecar.evidence.transfers import TransferSample
-from sidecar.verdict import Rule, Verdict, decide_readiness
+from sidecar.core.evidence import lifecycle
+from sidecar.core.evidence.result import Outcome, Result
+from sidecar.core.evidence.transfers import TransferSample
+from sidecar.core.verdict import Rule, Verdict, decide_readiness
+from sidecar.probes.transfer import REMOTE_DECODE, bodies, generated, probe_prompt, transfer_params
 from tests.support.harness import wait_until
 from tests.support.tables import POLICY
 

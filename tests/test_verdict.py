@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 
 from sidecar.config import StartingStatus
-from sidecar.endpoint import (
+from sidecar.core.endpoint import (
     EndpointState,
     apply_canary,
     apply_registration,
@@ -19,10 +19,9 @@ from sidecar.endpoint import (
     parked,
     suspected,
 )
-from sidecar.engine import BadEncoding, BodyTooLarge, _decode
-from sidecar.evidence.canary import CanaryState, TimeoutEvidence, on_canary
-from sidecar.evidence.policy import Policy
-from sidecar.evidence.progress import (
+from sidecar.core.evidence.canary import CanaryState, TimeoutEvidence, on_canary
+from sidecar.core.evidence.policy import Policy
+from sidecar.core.evidence.progress import (
     COMPLETED,
     GENERATION,
     PROMPT,
@@ -35,9 +34,9 @@ from sidecar.evidence.progress import (
     read_progress,
     unusable,
 )
-from sidecar.evidence.registration import RegistrationState, on_registration
-from sidecar.evidence.result import Outcome, Result
-from sidecar.verdict import (
+from sidecar.core.evidence.registration import RegistrationState, on_registration
+from sidecar.core.evidence.result import Outcome, Result
+from sidecar.core.verdict import (
     HEARTBEAT_STALE,
     Cause,
     Rule,
@@ -51,6 +50,7 @@ from sidecar.verdict import (
     worker_liveness,
     worker_readiness,
 )
+from sidecar.runtime.engine import BadEncoding, BodyTooLarge, _decode
 from tests.support.tables import COST, POLICY, SPEC
 
 

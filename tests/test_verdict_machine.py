@@ -8,10 +8,10 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from sidecar.endpoint import EndpointState, apply_canary, apply_registration, apply_sample
-from sidecar.evidence.progress import COMPLETED, GENERATION, PROMPT, STEPS, ProgressSample
-from sidecar.evidence.result import Outcome, Result
-from sidecar.verdict import decide_liveness, endpoint_verdict
+from sidecar.core.endpoint import EndpointState, apply_canary, apply_registration, apply_sample
+from sidecar.core.evidence.progress import COMPLETED, GENERATION, PROMPT, STEPS, ProgressSample
+from sidecar.core.evidence.result import Outcome, Result
+from sidecar.core.verdict import decide_liveness, endpoint_verdict
 from tests.support.tables import COST, POLICY, SPEC
 
 CATEGORIES = (PROMPT, GENERATION, STEPS, COMPLETED)

@@ -20,9 +20,9 @@ from typing import Any
 import httpx
 import pytest
 
-from sidecar.canary import plan_canary
-from sidecar.canary.vllm import VllmProber
 from sidecar.config import Settings
+from sidecar.probes import plan_canary
+from sidecar.probes.vllm import VllmProber
 from tests.support.harness import Sidecar, wait_until
 from tests.support.vllm_engine import (
     GREEDY,
@@ -42,7 +42,7 @@ from tests.support.vllm_engine import (
 )
 
 WAIT, TIMEOUT = 1.0, 1.0
-CANARY_TOKENS = 8  # sidecar.canary.base.PROMPT_TOKEN_IDS
+CANARY_TOKENS = 8  # sidecar.probes.base.PROMPT_TOKEN_IDS
 
 
 def sidecar_env(server: VllmServer, mode: str = "aggregated", **extra: str) -> dict[str, str]:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from sidecar.canary.vllm import VllmProber
-from sidecar.evidence.policy import Policy
+from sidecar.core.evidence.policy import Policy
+from sidecar.probes.vllm import VllmProber
 
 POLICY = Policy(
     failure_threshold=2, success_threshold=1, wait=1.0, retry=1.0, timeout=0.5,

@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from sidecar.canary.transfer import REMOTE_DECODE
+from sidecar.probes.transfer import REMOTE_DECODE
 from tests.support.engines import require
 from tests.support.harness import LOOPBACK, Proc, base_env, descendants, free_port, wait_until
 

@@ -1,0 +1,169 @@
+"""The canary: a role-aware inference request, the only evidence that decides readiness.
+
+Hysteresis: a ready endpoint turns notready after ``failure_threshold`` counted failures in a
+row, a notready one ready after ``success_threshold`` passes. Every failure other than a timeout
+(a malformed body, a wrong token count, a wrong answer, 4xx, 5xx, a refusal) counts, whatever the
+engine's counters do. A timeout is weighed against the engine's progress measured around it:
+
+- other work progressed meanwhile (beyond what the canary itself could move): the canary queued
+  behind load; not counted;
+- nothing progressed beyond what the canary could move, over a span the reads are sure to
+  cover of at least half the timeout: the engine held work (the canary, at least) and did not
+  compute; a hang confirmed by the metrics, notready at once, "stalled" when the canary was sent
+  to confirm a stall suspicion;
+- the metrics cannot tell: an ordinary failure.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from sidecar.core.evidence.policy import Policy
+from sidecar.core.evidence.result import Outcome, Result
+
+
+@dataclass(frozen=True)
+class TimeoutEvidence:
+    """What the engine's metrics said about a canary that timed out."""
+
+    foreign_progress: bool | None  # None: unknown (no readable metrics at both ends)
+    in_flight: float | None = None  # requests the engine held at the end
+    suspected: bool = False  # sent to confirm a stall suspicion
+    quiet_since: float | None = None  # since when work sat without progress
+    # Seconds the two reads are sure to span: from the baseline's answer to the canary's end. A
+    # saturated engine's metrics route can answer late, and counters compared over a moment
+    # prove nothing (vLLM's advance in bursts under load).
+    span: float = 0.0
+
+
+NO_EVIDENCE = TimeoutEvidence(None)
+
+
+@dataclass(frozen=True)
+class CanaryState:
+    """One incarnation's canary verdict. A (re)registered engine gets a fresh one."""
+
+    ready: bool | None = None  # None: no counted result yet
+    proven: bool = False  # a canary passed in this incarnation
+    failures: int = 0  # consecutive counted failures
+    successes: int = 0
+    last: Result | None = None
+    reason: str = "no canary has run yet"
+    hard_since: float | None = None  # liveness clock: unbroken run of hard failures
+    stall_since: float | None = None  # liveness clock: a stall a canary confirmed
+    last_pass_at: float | None = None  # monotonic
+    last_success_wall: float | None = None
+    next_due: float | None = None  # monotonic; None: nothing to send
+    # The first passed canary's answer in this incarnation (SIDECAR_CANARY_CHECK_ANSWER).
+    reference: str | None = None
+
+    @property
+    def stalled(self) -> bool:
+        return self.stall_since is not None
+
+
+def _hard(result: Result, proven: bool) -> bool:
+    """A failure a restart could fix: a hang, a server error, or a rejection of the very canary
+    that passed before in this incarnation (the engine changed: a Dynamo worker dropped from
+    discovery answers 404). A canary rejected from the start is a configuration problem (the
+    wrong canary for the role): a restart cannot fix it. Refusals and malformed bodies are not
+    hard."""
+    return result.outcome is Outcome.TIMEOUT or result.server_error or (result.rejected and proven)
+
+
+def _shown(answer: str) -> str:
+    return repr(answer if len(answer) <= 40 else answer[:37] + "...")
+
+
+def check_answer(state: CanaryState, result: Result, policy: Policy) -> Result:
+    """A passed canary whose answer differs from the first one of this incarnation is a wrong
+    answer: greedy decoding of the same prompt is reproducible on a healthy engine. Counted like
+    any failure (not hard: a restart reloads the same weights)."""
+    if not (policy.check_answer and result.ok and result.answer is not None):
+        return result
+    if state.reference is None or result.answer == state.reference:
+        return result
+    return replace(
+        result,
+        outcome=Outcome.WRONG,
+        reason=f"wrong answer: {_shown(result.answer)}, where this incarnation first answered "
+        f"{_shown(state.reference)}",
+    )
+
+
+def on_canary(
+    state: CanaryState, result: Result, policy: Policy, evidence: TimeoutEvidence = NO_EVIDENCE
+) -> CanaryState:
+    if result.ok:
+        successes = state.successes + 1
+        ready = bool(state.ready) or successes >= policy.success_threshold
+        reason = f"canary passed in {result.latency * 1000:.0f} ms"
+        if not ready:
+            reason += f" ({successes} of {policy.success_threshold} passes needed)"
+        return CanaryState(
+            reference=state.reference
+            if state.reference is not None or not policy.check_answer
+            else result.answer,
+            ready=ready,
+            proven=True,
+            successes=successes,
+            last=result,
+            reason=reason,
+            last_pass_at=result.finished,
+            last_success_wall=result.wall_time,
+            next_due=result.finished + (policy.wait if ready else policy.retry),
+        )
+    timeout = result.outcome is Outcome.TIMEOUT
+    if timeout and evidence.foreign_progress:
+        # Queued behind real work while the engine kept computing: busy, not hung.
+        return replace(
+            state,
+            last=result,
+            reason=state.reason
+            if state.ready
+            else "canary timed out behind other work while the engine progressed (not counted)",
+            hard_since=None,
+            stall_since=None,
+            next_due=result.finished
+            + (policy.wait if state.ready and not state.failures else policy.retry),
+        )
+    failures = state.failures + 1
+    ready = bool(state.ready) and failures < policy.failure_threshold
+    reason = f"canary {result.outcome}: {result.reason}"
+    stall_since = state.stall_since
+    # The engine holds at least the canary itself: gauges published by the stuck loop (vLLM's
+    # scheduler) freeze at what they said before, often 0.
+    held = evidence.in_flight or 0.0
+    if timeout and evidence.foreign_progress is False and evidence.span >= policy.timeout / 2:
+        # The engine held work and nothing moved while the canary waited: a hang, confirmed.
+        ready = False
+        failures = max(failures, policy.failure_threshold)
+        if evidence.suspected:
+            since = evidence.quiet_since if evidence.quiet_since is not None else result.started
+            stall_since = since if stall_since is None else stall_since
+            reason = (
+                f"stalled: {max(held, 1):g} requests in flight and no engine progress for "
+                f"{result.finished - since:.1f} s; the canary sent to confirm timed out "
+                f"({result.reason})"
+            )
+        elif held:
+            reason += f", with {held:g} requests in flight and no engine progress since it was sent"
+        else:
+            reason += ", and no engine progress since it was sent"
+    elif ready:
+        reason += f" ({failures} of {policy.failure_threshold} failures before notready)"
+    hard = _hard(result, state.proven)
+    hard_since = (
+        (state.hard_since if state.hard_since is not None else result.started) if hard else None
+    )
+    return replace(
+        state,
+        ready=ready,
+        failures=failures,
+        successes=0,
+        last=result,
+        reason=reason,
+        hard_since=hard_since,
+        stall_since=stall_since if hard else None,
+        next_due=max(result.started + policy.retry, result.finished),
+    )

@@ -1,0 +1,121 @@
+"""SGLang: POST /generate with input_ids; prefill and decode add fake-transfer bootstrap fields.
+
+A real SGLang 0.5.23 decode server given a request without ``bootstrap_host`` crashes its
+scheduler ("'NoneType' object has no attribute 'startswith'") and the whole server exits: a
+plain canary does not fail there, it kills the worker. An SGLang prefill or decode server
+rejects a request without a bootstrap room ("Disaggregated request received without bootstrap
+room id", HTTP 400). ``bootstrap_host`` "2.2.2.2" is SGLang's
+FAKE_BOOTSTRAP_HOST: the request runs with a fake KV sender/receiver, needs no peer and never
+touches the bootstrap server. The room is fresh per canary, so probes spread over DP ranks.
+Decode asks for 2 tokens: its first token comes from a prebuilt batch that runs no forward pass.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any, ClassVar
+
+from sidecar.config import Backend, Mode
+from sidecar.core.evidence.progress import (
+    COMPLETED,
+    GENERATION,
+    PROMPT,
+    STEPS,
+    ProgressSpec,
+    Series,
+    series,
+)
+from sidecar.probes.base import PROMPT_TOKEN_IDS, Prober, Role
+
+FAKE_BOOTSTRAP_HOST = "2.2.2.2"
+
+
+def bootstrap_room(request_id: str) -> int:
+    """A room derived from the canary's id: random per canary, reproducible from the logs."""
+    return uuid.uuid5(uuid.NAMESPACE_URL, request_id).int % (1 << 63)
+
+
+class SglangProber(Prober):
+    backend: ClassVar[Backend] = Backend.SGLANG
+    generation_path: ClassVar[str] = "/generate"
+    # SGLang's /health runs a generation in current versions; /v1/models is answered by the
+    # tokenizer manager once the model is loaded, at no cost to the scheduler.
+    registration_path: ClassVar[str] = "/v1/models"
+    needs_model: ClassVar[bool] = False
+    # GenerateReqInput.data_parallel_rank routes a request to one DP rank (400 out of range).
+    rank_field: ClassVar[str | None] = "data_parallel_rank"
+    # Measured on a real SGLang 0.5.23 (docs/engines.md): with --dp-size N every scheduler-side
+    # series carries dp_rank (with one rank, none does); the tokenizer manager's counters never do.
+    rank_label: ClassVar[str | None] = "dp_rank"
+    # --enable-metrics; gzipped only when asked. The schedulers count, per rank and with every
+    # batch, the tokens they compute by kind (realtime_tokens_total{mode}: a prompt's tokens as
+    # prefill_compute, or prefill_cache when its prefix is cached; one per decode step) and the
+    # batches they run (cuda_graph_passes_total, graph or not). The tokenizer manager's counters
+    # move only when a request completes (in bursts under load, engine-wide, no rank): only its
+    # count of completed requests is read. The schedulers' idle and stage seconds advance while
+    # idle, so they prove nothing. Scoped to one rank, only the schedulers' series remain.
+    progress: ProgressSpec = ProgressSpec(
+        path="/metrics",
+        running=series("sglang:num_running_reqs"),
+        waiting=series("sglang:num_queue_reqs"),
+        counters={
+            PROMPT: (
+                Series("sglang:realtime_tokens_total", (("mode", "prefill_compute"),)),
+                Series("sglang:realtime_tokens_total", (("mode", "prefill_cache"),)),
+            ),
+            GENERATION: (Series("sglang:realtime_tokens_total", (("mode", "decode"),)),),
+            STEPS: series("sglang:cuda_graph_passes_total"),
+            COMPLETED: series("sglang:num_requests_total"),
+        },
+    )
+
+    def __init__(self, bootstrap_port: int = 8998) -> None:
+        self.bootstrap_port = bootstrap_port
+
+    def why(self, role: Role) -> str:
+        if role.mode in (Mode.PREFILL, Mode.DECODE):
+            return (
+                f"{role.mode} worker: bootstrap_host {FAKE_BOOTSTRAP_HOST} selects SGLang's fake "
+                "KV transfer, so the probe runs without a peer"
+            )
+        return "plain 1-token greedy generation"
+
+    def body(self, role: Role, model: str | None, request_id: str) -> tuple[dict[str, Any], int]:
+        tokens = 2 if role.mode is Mode.DECODE else 1
+        body: dict[str, Any] = {
+            "input_ids": list(PROMPT_TOKEN_IDS),
+            "sampling_params": {"max_new_tokens": tokens, "temperature": 0, "ignore_eos": True},
+            "rid": request_id,
+            "stream": False,
+        }
+        if role.mode in (Mode.PREFILL, Mode.DECODE):
+            body["bootstrap_host"] = FAKE_BOOTSTRAP_HOST
+            body["bootstrap_port"] = self.bootstrap_port
+            body["bootstrap_room"] = bootstrap_room(request_id)
+        return body, tokens
+
+    def answer(self, parsed: Any, role: Role) -> str | None:
+        # A decode canary's fake transfer brings no KV: what it generates is not reproducible.
+        if role.mode is Mode.DECODE:
+            return None
+        text = parsed.get("text")
+        return text if isinstance(text, str) else None
+
+    def problem(self, answer: Any, expected_tokens: int | None) -> str | None:
+        if not isinstance(answer, dict):
+            return "body is not a JSON object"
+        if answer.get("error"):
+            return f"engine error in body: {answer['error']}"
+        meta = answer.get("meta_info")
+        if not isinstance(meta, dict):
+            return "no meta_info in body"
+        finish = meta.get("finish_reason")
+        kind = finish.get("type") if isinstance(finish, dict) else None
+        if not kind:
+            return "no meta_info.finish_reason.type in body"
+        if kind != "length":
+            return f"finish_reason {kind!r}, expected 'length'"
+        got = meta.get("completion_tokens")
+        if expected_tokens is not None and got is not None and got != expected_tokens:
+            return f"meta_info.completion_tokens {got!r}, expected {expected_tokens}"
+        return None

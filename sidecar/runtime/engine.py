@@ -1,0 +1,325 @@
+"""The engine client: the only code that talks to the engine, and only to SIDECAR_ENGINE_URL.
+
+Every call has a deadline over the whole exchange (connect, headers and the complete body), not
+just the first byte, and reads at most SIDECAR_MAX_RESPONSE_BYTES (also once decompressed: it
+asks for identity encoding, and undoes gzip or deflate when an engine compresses anyway).
+Every failure comes back as a result with a precise reason; nothing here raises to the caller.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from sidecar import __version__
+from sidecar.core.evidence.result import Outcome, Result
+from sidecar.probes import CanaryPlan, CanaryRequest
+from sidecar.redact import redact
+
+USER_AGENT = f"health-sidecar/{__version__}"
+ERROR_TEXT_CHARS = 200
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+class BadEncoding(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class Answer:
+    status: int
+    content_type: str
+    body: bytes
+    location: str | None
+
+
+@dataclass(frozen=True)
+class NoAnswer:
+    """Why an exchange produced no answer, as the outcome a canary or a check records."""
+
+    outcome: Outcome
+    reason: str
+
+
+def error_text(body: bytes) -> str:
+    """The engine's error message from a JSON error body, or the start of the text."""
+    text = body.decode("utf-8", "replace").strip()
+    try:
+        parsed = json.loads(text)
+    except ValueError:
+        parsed = None
+    if isinstance(parsed, dict):
+        err = parsed.get("error", parsed.get("detail", parsed.get("message")))
+        if isinstance(err, dict):
+            err = err.get("message", err)
+        if err is not None:
+            text = err if isinstance(err, str) else json.dumps(err)
+    text = " ".join(text.split())
+    if not text:
+        return "(empty body)"
+    return text[:ERROR_TEXT_CHARS] + ("..." if len(text) > ERROR_TEXT_CHARS else "")
+
+
+def _no_answer(exc: Exception, timeout: float) -> NoAnswer:
+    if isinstance(exc, TimeoutError):
+        return NoAnswer(Outcome.TIMEOUT, f"no complete answer within {timeout:g} s")
+    if isinstance(exc, BodyTooLarge):
+        return NoAnswer(Outcome.INVALID, f"answer too large ({exc})")
+    if isinstance(exc, BadEncoding):
+        return NoAnswer(Outcome.INVALID, str(exc))
+    detail = str(exc) or str(exc.__cause__ or "") or type(exc).__name__
+    if isinstance(exc, httpx.ConnectError):
+        return NoAnswer(Outcome.REFUSED, f"cannot connect: {detail}")
+    if isinstance(exc, httpx.RemoteProtocolError | httpx.ReadError | httpx.WriteError):
+        return NoAnswer(Outcome.ERROR, f"connection broke mid-answer: {detail}")
+    if isinstance(exc, httpx.TransportError):
+        return NoAnswer(Outcome.ERROR, f"{type(exc).__name__}: {detail}")
+    return NoAnswer(Outcome.ERROR, f"cannot send the request: {type(exc).__name__}: {detail}")
+
+
+def _decode(body: bytes, encoding: str, limit: int) -> bytes:
+    """Undo a Content-Encoding the engine applied although identity was asked for (prometheus
+    client's ASGI app gzips whenever it likes), reading at most ``limit`` bytes of the result."""
+    encoding = encoding.strip().lower()
+    if encoding in ("", "identity"):
+        return body
+    if encoding not in ("gzip", "x-gzip", "deflate"):
+        raise BadEncoding(f"Content-Encoding {encoding!r} is not supported")
+    wbits = zlib.MAX_WBITS | 16 if "gzip" in encoding else zlib.MAX_WBITS
+    try:
+        inflater = zlib.decompressobj(wbits)
+        plain = inflater.decompress(body, limit + 1)
+    except zlib.error as exc:
+        raise BadEncoding(f"{encoding} body does not decompress: {exc}") from None
+    if len(plain) > limit or inflater.unconsumed_tail:
+        raise BodyTooLarge(f"more than {limit} bytes once decompressed")
+    return plain
+
+
+class EngineClient:
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        timeout: float,
+        max_bytes: int,
+        api_key: str | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        # Identity encoding: the sidecar reads bodies with a byte bound, and a compressed body
+        # would need decompressing anyway (see _decode for engines that compress regardless).
+        headers = {"User-Agent": USER_AGENT, "Accept-Encoding": "identity"}
+        self._secret = api_key or None
+        if api_key:
+            headers["Authorization"] = f"Bearer {api_key}"
+        self.timeout = timeout
+        self.max_bytes = max_bytes
+        self.clock = clock
+        self._http = httpx.AsyncClient(
+            base_url=base_url,
+            headers=headers,
+            timeout=httpx.Timeout(timeout),
+            follow_redirects=False,
+            trust_env=False,  # no proxies from the environment: requests go to the engine only
+            # Only SIDECAR_ENGINE_URL is ever requested: for http:// no TLS happens, so skip
+            # building the default SSL context (the CA bundle costs about 3 MiB).
+            verify=not base_url.startswith("http://"),
+            limits=httpx.Limits(max_connections=6, max_keepalive_connections=3),
+        )
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    def _redact(self, text: str) -> str:
+        """Every reason the sidecar serves or logs comes through here: an engine or gateway that
+        echoes the bearer token in its error text must not publish it."""
+        return redact(text, (self._secret,))
+
+    async def _exchange(
+        self,
+        method: str,
+        path: str,
+        *,
+        json_body: Any = None,
+        headers: dict[str, str] | None = None,
+    ) -> Answer | NoAnswer:
+        """One request with a deadline over the whole answer, and a bounded read."""
+        try:
+            return await self._read(method, path, json_body, headers)
+        except (
+            TimeoutError,
+            BodyTooLarge,
+            BadEncoding,
+            httpx.HTTPError,
+            httpx.InvalidURL,
+            ValueError,
+        ) as exc:
+            # ValueError: a body or header httpx cannot encode. Never let one kill the monitor.
+            return _no_answer(exc, self.timeout)
+
+    async def _read(
+        self, method: str, path: str, json_body: Any, headers: dict[str, str] | None
+    ) -> Answer:
+        async with asyncio.timeout(self.timeout):
+            request = self._http.build_request(method, path, json=json_body, headers=headers)
+            response = await self._http.send(request, stream=True)
+            try:
+                declared = response.headers.get("content-length")
+                if declared and declared.isdigit() and int(declared) > self.max_bytes:
+                    raise BodyTooLarge(f"Content-Length {declared}")
+                chunks: list[bytes] = []
+                size = 0
+                async for chunk in response.aiter_raw():
+                    size += len(chunk)
+                    if size > self.max_bytes:
+                        raise BodyTooLarge(f"more than {self.max_bytes} bytes")
+                    chunks.append(chunk)
+            finally:
+                await response.aclose()
+        body = _decode(
+            b"".join(chunks), response.headers.get("content-encoding", ""), self.max_bytes
+        )
+        return Answer(
+            response.status_code,
+            response.headers.get("content-type", ""),
+            body,
+            response.headers.get("location"),
+        )
+
+    async def get(self, path: str) -> Answer | NoAnswer:
+        """GET a route: its answer, or why none came (with secrets scrubbed from the reason)."""
+        answer = await self._exchange("GET", path)
+        if isinstance(answer, NoAnswer):
+            return NoAnswer(answer.outcome, self._redact(f"GET {path}: {answer.reason}"))
+        return answer
+
+    async def post_json(self, path: str, body: Any) -> tuple[Any, NoAnswer | None]:
+        """POST a JSON body: (the parsed JSON answer, None) on a 200 with JSON; else (None, why
+        not, as the outcome a probe records)."""
+        answer = await self._exchange("POST", path, json_body=body)
+        if isinstance(answer, NoAnswer):
+            return None, NoAnswer(answer.outcome, self._redact(answer.reason))
+        if answer.status != 200:
+            reason = self._redact(f"HTTP {answer.status}: {error_text(answer.body)}")
+            return None, NoAnswer(Outcome.ERROR, reason)
+        try:
+            return json.loads(answer.body), None
+        except ValueError:
+            return None, NoAnswer(
+                Outcome.INVALID, f"body is not valid JSON ({len(answer.body)} bytes)"
+            )
+
+    async def canary(self, plan: CanaryPlan, request: CanaryRequest) -> Result:
+        started = self.clock()
+
+        def result(
+            outcome: Outcome, reason: str, status: int | None = None, answer: str | None = None
+        ) -> Result:
+            return Result(
+                outcome,
+                self._redact(reason),
+                started,
+                self.clock(),
+                time.time(),
+                request.request_id,
+                status,
+                answer,
+            )
+
+        answer = await self._exchange(
+            request.method,
+            request.path,
+            json_body=request.body,
+            headers={**request.headers, "X-Request-Id": request.request_id},
+        )
+        if isinstance(answer, NoAnswer):
+            return result(answer.outcome, answer.reason)
+        status = answer.status
+        if 300 <= status < 400:
+            where = f" to {answer.location}" if answer.location else ""
+            return result(Outcome.ERROR, f"HTTP {status} redirect{where} (not followed)", status)
+        if status != 200:
+            return result(Outcome.ERROR, f"HTTP {status}: {error_text(answer.body)}", status)
+        if "json" not in answer.content_type.lower():
+            shown = answer.content_type or "none"
+            return result(Outcome.INVALID, f"content-type {shown}, expected JSON", status)
+        try:
+            parsed = json.loads(answer.body)
+        except ValueError:
+            size = len(answer.body)
+            return result(Outcome.INVALID, f"body is not valid JSON ({size} bytes)", status)
+        problem = plan.problem(parsed, request.expected_tokens)
+        if problem is not None:
+            return result(Outcome.INVALID, problem, status)
+        return result(Outcome.SUCCESS, "complete, well-formed answer", status, plan.answer(parsed))
+
+    async def registration(self, path: str) -> Result:
+        """Check the engine's own cheapest "up and model loaded" route."""
+        started = self.clock()
+
+        def result(outcome: Outcome, reason: str, status: int | None = None) -> Result:
+            return Result(
+                outcome, self._redact(reason), started, self.clock(), time.time(), "", status
+            )
+
+        answer = await self._exchange("GET", path)
+        if isinstance(answer, NoAnswer):
+            return result(answer.outcome, f"GET {path}: {answer.reason}")
+        if answer.status == 200:
+            return result(Outcome.SUCCESS, f"GET {path} -> 200", 200)
+        text = error_text(answer.body)
+        return result(Outcome.ERROR, f"GET {path} -> {answer.status}: {text}", answer.status)
+
+    async def metrics_text(self, path: str) -> tuple[str | None, str]:
+        """(text, reason): the engine's Prometheus exposition, or None and why not."""
+        answer = await self._exchange("GET", path)
+        if isinstance(answer, NoAnswer):
+            return None, self._redact(f"GET {path}: {answer.reason}")
+        if answer.status != 200:
+            return None, f"GET {path} -> {answer.status}"
+        return answer.body.decode("utf-8", "replace"), f"GET {path} -> 200"
+
+    async def sleep_state(self, path: str) -> tuple[bool | None, str, bool]:
+        """(sleeping, reason, missing): what the engine's sleep route says; sleeping is None
+        without a usable answer, and ``missing`` is True when the route does not exist (404)."""
+        answer = await self._exchange("GET", path)
+        if isinstance(answer, NoAnswer):
+            return None, self._redact(f"GET {path}: {answer.reason}"), False
+        if answer.status == 404:
+            return None, f"GET {path} -> 404: the engine serves no sleep route", True
+        if answer.status != 200:
+            return None, f"GET {path} -> {answer.status}", False
+        try:
+            sleeping = json.loads(answer.body).get("is_sleeping")
+        except (ValueError, AttributeError):
+            sleeping = None
+        if not isinstance(sleeping, bool):
+            return None, f"GET {path}: no is_sleeping in the answer", False
+        return sleeping, f"GET {path} -> is_sleeping {str(sleeping).lower()}", False
+
+    async def served_model(self) -> tuple[str | None, str]:
+        """(model, reason): the first model GET /v1/models lists, or None and why not."""
+        path = "/v1/models"
+        answer = await self._exchange("GET", path)
+        if isinstance(answer, NoAnswer):
+            return None, self._redact(f"GET {path}: {answer.reason}")
+        if answer.status != 200:
+            return None, self._redact(f"GET {path} -> {answer.status}: {error_text(answer.body)}")
+        try:
+            data = json.loads(answer.body).get("data")
+            model = data[0]["id"]
+        except (ValueError, AttributeError, LookupError, TypeError):
+            return None, f"GET {path}: no model id in the answer"
+        if not isinstance(model, str) or not model:
+            return None, f"GET {path}: no model id in the answer"
+        return self._redact(model), f"GET {path} lists a model"

@@ -1,0 +1,1 @@
+"""The command line: serve, --check-config (plan), probes (kubelet probes), demo."""

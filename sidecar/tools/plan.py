@@ -1,0 +1,274 @@
+"""The effective plan that ``health-sidecar --check-config`` prints: what will be checked, how,
+and which rule will decide. Built from the same objects the running sidecar uses."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from sidecar.config import DiscoveryBackend, Settings, Transport
+from sidecar.core.verdict import RULE_TEXT, Rule
+from sidecar.probes import CanaryPlan, plan_canary
+from sidecar.runtime.health import policy_from
+
+MODEL_PLACEHOLDER = "<served model, from GET /v1/models>"
+
+
+def _example_body(plan: CanaryPlan, settings: Settings) -> dict[str, Any]:
+    request = plan.request(settings.model or MODEL_PLACEHOLDER, "canary-<uuid>")
+    body = dict(request.body)
+    if "bootstrap_room" in body:
+        body["bootstrap_room"] = "<fresh per canary>"
+    return body
+
+
+def _passes_when(plan: CanaryPlan, settings: Settings) -> str:
+    if settings.transport is Transport.DYNAMO:
+        whole = f"the whole stream ends within {settings.request_timeout:g} s"
+        if plan.override is not None:
+            return whole + ", without an error, with a finish reason on its last chunk"
+        _, tokens = plan.prober.body(plan.role, settings.model, "x")
+        return whole + f", with {tokens} token(s) and finish reason 'length'"
+    whole = f"the whole answer arrives within {settings.request_timeout:g} s with HTTP 200 and JSON"
+    if plan.override is not None:
+        return whole + ", without an error, with a finish reason where the answer has one"
+    _, tokens = plan.prober.body(plan.role, settings.model, "x")
+    return (
+        whole + f", a finish reason and {tokens} generated token(s) where the engine reports them"
+    )
+
+
+def _progress_lines(plan: CanaryPlan, s: Settings) -> list[str]:
+    if not (plan.enabled and s.progress_enabled):
+        why = (
+            "SIDECAR_PROGRESS_ENABLED=false"
+            if plan.enabled
+            else "no canary: the metrics would have nothing to confirm"
+        )
+        return [f"progress       engine metrics not read ({why})"]
+    spec = plan.prober.progress
+    path = s.metrics_path or spec.path
+    policy = policy_from(s)
+    counters = ", ".join(
+        f"{category} {' | '.join(map(str, names))}" for category, names in spec.counters.items()
+    )
+    return [
+        f"progress       GET {path} every {s.metrics_interval:g} s, and around each canary; a "
+        "hint, never a verdict",
+        f"  in flight    {' + '.join(map(str, spec.running + spec.waiting))}",
+        f"  counters     {counters}",
+        "  needs        at least one counter; in-flight gauges alone are not readable metrics, "
+        "and then the canary alone decides",
+        "  holds        routine canaries while the endpoint is ready and work is in flight",
+        "  excuses      a canary timeout when counters moved beyond the canary's own tokens "
+        "(not counted)",
+        f"  suspects     a stall after {policy.suspect_after:g} s of work in flight with quiet "
+        "counters, and sends a canary to confirm it: a timeout with no progress since it left "
+        'is notready "stalled"; a pass clears it',
+        f"  bound        a hang under load is notready within {policy.stall_bound:g} s of the "
+        f"counters stopping (SIDECAR_STALL_WINDOW {s.effective_stall_window:g} s"
+        + (
+            ""
+            if policy.stall_bound <= s.effective_stall_window
+            else f"; raise it to at least {policy.stall_bound:g} s to meet it"
+        )
+        + ")",
+    ]
+
+
+def _lifecycle_lines(plan: CanaryPlan, s: Settings) -> list[str]:
+    prober = plan.prober
+    if prober.sleep_path:
+        gauges = " or ".join(f"{s} at 0" for s in prober.awake)
+        sleep = (
+            f"sleep          GET {prober.sleep_path} with each registration check (a 404: the "
+            "engine serves no sleep route, not asked again)"
+            + (f", and {gauges} in its metrics" if gauges and plan.enabled else "")
+            + ": asleep -> notready 'sleeping', live, no canary"
+        )
+    else:
+        sleep = f"sleep          not detected ({s.backend} has no sleep-state route)"
+    if s.control_port is None:
+        control = "maintenance    no control routes (SIDECAR_CONTROL_PORT unset)"
+    else:
+        guard = "Bearer token (SIDECAR_CONTROL_TOKEN)" if s.control_token else "no token"
+        control = (
+            f"maintenance    PUT/DELETE/GET http://127.0.0.1:{s.control_port}/maintenance "
+            f"(loopback only, {guard}): notready 'maintenance', live, no canary, for at most "
+            f"{s.maintenance_max:g} s; it ends by itself"
+        )
+    return [sleep, control]
+
+
+def _rank_lines(plan: CanaryPlan, s: Settings) -> list[str]:
+    if s.dp_ranks == 1:
+        return ["ranks          1 (SIDECAR_DP_RANKS): the server is checked as one"]
+    prober = plan.prober
+    pin = (
+        f"header {prober.rank_header}: <rank>"
+        if prober.rank_header
+        else f"body field {prober.rank_field}: <rank>"
+    )
+    count = (
+        "counted from the engine's metrics once they answer (one unpinned canary until then)"
+        if s.dp_ranks == "auto"
+        else f"{s.dp_ranks}"
+    )
+    need = "every rank" if s.dp_min_ready_ranks is None else f"{s.dp_min_ready_ranks}"
+    progress = (
+        f"its own progress ({prober.rank_label}=<rank>)"
+        if prober.rank_label
+        else "no per-rank progress (the metrics do not tell ranks apart)"
+    )
+    return [
+        f"ranks          {count} (SIDECAR_DP_RANKS): each its own canary ({pin}), {progress}",
+        f"  ready when   {need} ready (SIDECAR_DP_MIN_READY_RANKS); fewer but enough: degraded",
+    ]
+
+
+def _transfer_lines(s: Settings) -> list[str]:
+    if s.kv_peer_url is None:
+        return ["kv_transfer    no transfer probe (SIDECAR_KV_PEER_URL unset)"]
+    gates = "gates readiness" if "kv_transfer" in s.use_endpoint_health_status else "informs"
+    return [
+        f"kv_transfer    every {s.kv_probe_interval:g} s and on a counted failed transfer: a "
+        f"{s.kv_probe_prompt_tokens}-token prefill on {s.kv_peer_url} with remote decode, the "
+        "decode here with its KV, and a local prefill as the reference",
+        f"  passes when  all answer 200 within {s.kv_probe_timeout:g} s and the transferred KV "
+        f"decodes to the local answer; {gates}; never fails liveness",
+    ]
+
+
+def _dynamo_lines(plan: CanaryPlan, s: Settings) -> list[str]:
+    """How a Dynamo worker is found, asked and reached (SIDECAR_TRANSPORT=dynamo)."""
+    want = s.dynamo_endpoint or "generate"
+    health = s.registration_path or plan.prober.registration_path
+    if s.discovery_backend is DiscoveryBackend.KUBERNETES:
+        found = (
+            f"GET /metadata every {s.registration_interval:g} s: the instance of endpoint {want} "
+            "and the record the worker advertises for it, kept in the sidecar's own file "
+            "discovery (in TMPDIR)"
+        )
+        discovery = (
+            "not asked: the cluster lists only Ready pods, so the canary reaches the worker by "
+            "its own record; no cluster rights needed"
+        )
+    else:
+        metrics = s.metrics_path or plan.prober.progress.path
+        found = (
+            f"GET {metrics} every {s.registration_interval:g} s: the instance of endpoint {want} "
+            "(dynamo_component_* labels)"
+        )
+        where = f"file ({s.file_kv})" if s.discovery_backend is DiscoveryBackend.FILE else "etcd"
+        discovery = (
+            f"{where}, as the worker's: missing there while the system server answers is "
+            "notready 'not discoverable', and, listed before, a liveness clock"
+        )
+    return [
+        f"worker         Dynamo system server {s.engine_url}; request plane {s.request_plane}",
+        f"  instance     {found}",
+        f"  own health   GET {health}: shown beside the verdict, never a gate",
+        f"  discovery    {discovery}",
+    ]
+
+
+def render(settings: Settings) -> str:
+    plan = plan_canary(settings)
+    registration = settings.registration_path or plan.prober.registration_path
+    s = settings
+    dynamo = s.transport is Transport.DYNAMO
+    lines = [
+        "health-sidecar: configuration is valid",
+        "",
+        f"engine         {s.engine_url}  (backend {s.backend}, mode {s.disaggregation_mode}, "
+        f"model type {s.model_type})",
+        "engine auth    "
+        + ("bearer token from SIDECAR_ENGINE_API_KEY" if s.engine_api_key else "none"),
+        *(
+            _dynamo_lines(plan, s)
+            if dynamo
+            else [
+                f"registration   GET {registration} every {s.registration_interval:g} s, timeout "
+                f"{s.request_timeout:g} s: registered while it answers 200"
+            ]
+        ),
+        "",
+        f"endpoint {plan.endpoint}",
+    ]
+    if plan.enabled:
+        if s.model:
+            model = f"{s.model} (SIDECAR_MODEL)"
+        elif plan.override is None and plan.prober.needs_model:
+            model = "discovered from GET /v1/models at each registration"
+        else:
+            model = "not needed"
+        lines += [
+            f"  canary       yes: {plan.why}",
+            f"  model        {model}",
+            *(
+                [
+                    f"  request      over the request plane, direct to the instance of {plan.path}"
+                    " (never a frontend or router)",
+                    f"  payload      {json.dumps(_example_body(plan, s))}",
+                    "  context      id canary-<uuid>; stopped on the worker when it times out",
+                ]
+                if dynamo
+                else [
+                    f"  request      {'POST'} {plan.path}",
+                    f"  body         {json.dumps(_example_body(plan, s))}",
+                    "  headers      X-Request-Id: canary-<uuid>",
+                ]
+            ),
+            f"  passes when  {_passes_when(plan, s)}",
+            f"  schedule     once registered; then after {s.canary_wait_time:g} s without a passed "
+            f"canary; every {s.retry_interval:g} s while failing or unproven; one at a time",
+            f"  hysteresis   notready after {s.failure_threshold} consecutive failure(s); ready "
+            f"after {s.success_threshold} consecutive pass(es)",
+            "  answer       "
+            + (
+                "checked (SIDECAR_CANARY_CHECK_ANSWER): the first answer after registering or "
+                "resuming is the reference; a different one fails the canary as 'wrong answer'"
+                if s.check_answer and plan.override is None
+                else "not checked (SIDECAR_CANARY_CHECK_ANSWER="
+                + (
+                    "true, but a user payload has no reference answer)"
+                    if s.check_answer
+                    else "false)"
+                )
+            ),
+            "  ready when   registered and the canary's verdict is ready",
+        ]
+    else:
+        when = (
+            "registered (the system server names the instance)"
+            if dynamo
+            else f"registered (GET {registration} answers 200)"
+        )
+        lines += [f"  canary       no: {plan.why}", f"  ready when   {when}"]
+    listed = s.use_endpoint_health_status
+    rule = Rule.LISTED if listed else Rule.MONITORED
+    lines += [
+        "",
+        f"readiness      {RULE_TEXT[rule]}"
+        + (f" ({', '.join(listed)})" if listed else f" ({plan.endpoint})"),
+        f"               before an endpoint's first verdict: {s.starting_health_status} "
+        "(DYN_SYSTEM_STARTING_HEALTH_STATUS)",
+        f"liveness       fails after {s.liveness_window:g} s on one clock: registration timing "
+        "out (a role without a canary), canary failing hard (timeouts, 5xx), a confirmed "
+        + (
+            "stall, or an instance gone from discovery; never while"
+            if dynamo
+            else "stall; never while"
+        )
+        + " the engine answers its health route with non-200, refuses "
+        "connections, or rejects a canary that never passed (4xx)",
+        *_progress_lines(plan, s),
+        *_lifecycle_lines(plan, s),
+        *_rank_lines(plan, s),
+        *_transfer_lines(s),
+        f"shutdown       on SIGTERM: readiness draining (503), /live 200, until the engine is "
+        f"gone or {s.drain_timeout:g} s have passed; then exit 0",
+        f"serving        http://{s.system_host}:{s.system_port}  {s.health_path} (readiness)  "
+        f"{s.live_path} (liveness)  /metrics  /sidecar/live (the sidecar's own probe)",
+    ]
+    return "\n".join(lines)

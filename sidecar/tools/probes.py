@@ -1,0 +1,301 @@
+"""``health-sidecar probes``: the engine container's Kubernetes probes, sized from the settings.
+
+The probes belong to the *engine* container and target the sidecar's port in the same pod: a
+liveness failure restarts only the container whose probe failed, so a probe on the sidecar could
+never restart a hung engine. The sidecar answers every probe from memory, so the probe timeouts
+are headroom for a starved node, never time given to the engine.
+
+- startupProbe, ``DYN_SYSTEM_HEALTH_PATH``: 200 once the model is loaded and (with a canary) a
+  canary passed. Liveness and readiness start only after it, so ``failureThreshold`` x
+  ``periodSeconds`` covers the longest load. (``/live`` answers 200 while the engine loads, so a
+  startupProbe on it would pass at once and gate nothing.)
+- livenessProbe, ``DYN_SYSTEM_LIVE_PATH``: fails only after ``SIDECAR_LIVENESS_WINDOW`` of
+  uninterrupted hard failure, never while loading or busy; the kubelet adds a few failures so a
+  sidecar restart never restarts the engine.
+- readinessProbe, ``DYN_SYSTEM_HEALTH_PATH``: the sidecar already applies hysteresis, so the
+  kubelet needs few failures; the period is chosen so that a hung engine leaves rotation within
+  :data:`READINESS_TARGET_SECONDS`.
+
+:func:`size` computes the numbers and the arithmetic behind them (pure, tested);
+:func:`render` prints them as a YAML fragment (written by PyYAML) with a comment on each number.
+"""
+
+from __future__ import annotations
+
+import math
+import textwrap
+from dataclasses import dataclass
+
+import yaml
+
+from sidecar.config import DiscoveryBackend, Settings, Transport
+from sidecar.probes import plan_canary
+from sidecar.runtime.health import policy_from
+
+READINESS_TARGET_SECONDS = 30.0
+"""A hung engine leaves rotation within this many seconds (when the settings allow it)."""
+
+PROBE_TIMEOUT = 5
+"""Startup and liveness timeoutSeconds: the sidecar answers from memory; this is headroom."""
+READINESS_TIMEOUT = 3
+READINESS_FAILURES = 2  # one lost probe does not flap readiness
+READINESS_MAX_PERIOD = 5
+STARTUP_PERIOD = 10
+LIVENESS_PERIOD = 10
+LIVENESS_FAILURES = 3  # 30 s: rides out a restart of the sidecar (the probes' target)
+LIVENESS_GRACE = 30  # probe-level terminationGracePeriodSeconds: a hung engine drains nothing
+WIDTH = 100
+BIND_ALL = ("0.0.0.0", "::", "[::]")
+DYNAMO_SYSTEM_PORT = 9090  # the port Dynamo's operator gives a worker's system server
+
+
+@dataclass(frozen=True)
+class Probe:
+    path: str
+    period: int
+    timeout: int
+    failures: int
+
+
+@dataclass(frozen=True)
+class Sizing:
+    """The three probes and the arithmetic behind them (seconds)."""
+
+    port: int
+    canary: bool
+    startup: Probe
+    liveness: Probe
+    readiness: Probe
+    max_load: float
+    load_to_ready: float  # after the engine is up: registration seen, first canaries passed
+    hang_to_notready: float  # the sidecar's worst case from a hang to /health 503
+    stall_to_notready: float | None  # the same with work in flight (engine metrics read)
+    hang_to_unready: float  # ... plus the kubelet's readiness failures: out of rotation
+    hang_to_notlive_min: float  # the earliest /live can fail after a hang starts
+    hang_to_restart: float  # the worst case from a hang to the kubelet's restart
+
+    @property
+    def startup_budget(self) -> float:
+        """Seconds from container start to the startupProbe's last allowed failure."""
+        return (self.startup.failures - 1) * self.startup.period
+
+    @property
+    def liveness_tolerance(self) -> float:
+        """Seconds of failing /live (or of an absent sidecar) the kubelet tolerates."""
+        return (self.liveness.failures - 1) * self.liveness.period
+
+
+def _secs(value: float) -> str:
+    return f"{round(value, 3):g}"
+
+
+def size(settings: Settings, max_load_seconds: float) -> Sizing:
+    """Size the engine container's probes for this configuration and load time."""
+    if not math.isfinite(max_load_seconds) or max_load_seconds <= 0:
+        raise ValueError(f"--max-load-seconds must be a number > 0, not {max_load_seconds!r}")
+    s = settings
+    canary = plan_canary(s).enabled
+    wait, retry, timeout = s.canary_wait_time, s.retry_interval, s.request_timeout
+    if canary:
+        # Registration check, model discovery, then success_threshold canaries (each started
+        # retry after the previous ended).
+        load_to_ready = (
+            s.registration_interval
+            + 2 * timeout
+            + s.success_threshold * timeout
+            + (s.success_threshold - 1) * retry
+        )
+        # After the last passed canary: the next is due after wait (the monitor wakes at most
+        # retry late), then failure_threshold canaries time out, started max(retry, timeout)
+        # apart.
+        hang_to_notready = wait + retry + (s.failure_threshold - 1) * max(retry, timeout) + timeout
+        # The hard-failure run starts with the first failed canary, at most wait + retry after
+        # the hang started; /live fails liveness_window later.
+        hang_to_notlive = wait + retry + s.liveness_window
+        # With work in flight, quiet counters raise a suspicion that one canary confirms:
+        # notready within the stall bound (the stall window, when it is at least the timeout
+        # plus two metrics intervals).
+        stall_to_notready = policy_from(s).stall_bound if s.progress_enabled else None
+    else:
+        # No canary: readiness follows the engine's own health route.
+        load_to_ready = s.registration_interval + timeout
+        hang_to_notready = s.registration_interval + timeout
+        hang_to_notlive = s.registration_interval + s.liveness_window
+        stall_to_notready = None
+
+    startup = Probe(
+        s.health_path,
+        STARTUP_PERIOD,
+        PROBE_TIMEOUT,
+        math.ceil((max_load_seconds + load_to_ready) / STARTUP_PERIOD) + 1,
+    )
+    liveness = Probe(s.live_path, LIVENESS_PERIOD, PROBE_TIMEOUT, LIVENESS_FAILURES)
+    spare = READINESS_TARGET_SECONDS - hang_to_notready
+    period = min(READINESS_MAX_PERIOD, max(1, math.floor(spare / READINESS_FAILURES)))
+    readiness = Probe(s.health_path, period, READINESS_TIMEOUT, READINESS_FAILURES)
+    return Sizing(
+        port=s.system_port,
+        canary=canary,
+        startup=startup,
+        liveness=liveness,
+        readiness=readiness,
+        max_load=max_load_seconds,
+        load_to_ready=load_to_ready,
+        hang_to_notready=hang_to_notready,
+        stall_to_notready=stall_to_notready,
+        hang_to_unready=hang_to_notready + readiness.failures * readiness.period,
+        hang_to_notlive_min=s.liveness_window,
+        hang_to_restart=hang_to_notlive + liveness.failures * liveness.period,
+    )
+
+
+def _comment(text: str, indent: str = "") -> list[str]:
+    prefix = indent + "# "
+    return textwrap.wrap(text, WIDTH, initial_indent=prefix, subsequent_indent=prefix)
+
+
+def _probe(
+    key: str,
+    why: str,
+    probe: Probe,
+    port: int,
+    notes: dict[str, str],
+    extra: tuple[tuple[str, int, str], ...] = (),
+) -> list[str]:
+    """One probe: PyYAML writes the mapping (quoting included); the comments are woven in after,
+    since PyYAML keeps none."""
+    fields = [
+        ("periodSeconds", probe.period, notes.get("periodSeconds", "")),
+        ("timeoutSeconds", probe.timeout, notes.get("timeoutSeconds", "")),
+        ("failureThreshold", probe.failures, notes.get("failureThreshold", "")),
+        *extra,
+    ]
+    data = {"httpGet": {"path": probe.path, "port": port}} | {n: v for n, v, _ in fields}
+    dumped = yaml.safe_dump({key: data}, sort_keys=False, width=1 << 16).splitlines()
+    comments = {f"  {name}: ": note for name, _, note in fields if note}
+    lines = [dumped[0], *_comment(why, "  ")]
+    for line in dumped[1:]:
+        note = next((n for prefix, n in comments.items() if line.startswith(prefix)), "")
+        if note and len(line) + 3 + len(note) <= WIDTH:
+            line += f"  # {note}"
+        elif note:
+            lines += _comment(note, "  ")
+        lines.append(line)
+    return lines
+
+
+def render(settings: Settings, max_load_seconds: float) -> str:
+    """The engine container's probes as a YAML fragment with the arithmetic in comments."""
+    z = size(settings, max_load_seconds)
+    s = settings
+    role = f"backend {s.backend}, mode {s.disaggregation_mode}, model type {s.model_type}"
+    canary = "canary on" if z.canary else "no canary"
+    dynamo = s.transport is Transport.DYNAMO
+    if dynamo and z.canary:
+        canary += ", over Dynamo's request plane to the worker instance of this pod"
+    lines = _comment(
+        f"Probes for the engine container (paste them under it, not under the sidecar: a "
+        f"liveness failure restarts only the container whose probe failed). They target the "
+        f"health-sidecar on port {z.port} of the same pod, which answers from memory. Sized by "
+        f"`health-sidecar probes --max-load-seconds {_secs(z.max_load)}` for {role}, {canary}."
+    )
+    if s.system_host not in BIND_ALL:
+        lines += _comment(
+            f"WARNING: DYN_SYSTEM_HOST={s.system_host}: the kubelet probes the pod IP, so the "
+            "sidecar must bind 0.0.0.0 for these probes to reach it."
+        )
+    if dynamo and s.system_port == DYNAMO_SYSTEM_PORT:
+        lines += _comment(
+            f"WARNING: DYN_SYSTEM_PORT={s.system_port} is the Dynamo worker's own system port "
+            "under the operator: give the sidecar another (9091)."
+        )
+    if z.hang_to_unready > READINESS_TARGET_SECONDS:
+        lines += _comment(
+            f"WARNING: a hung engine leaves rotation only after {_secs(z.hang_to_unready)} s, "
+            f"above the {_secs(READINESS_TARGET_SECONDS)} s target: lower DYN_CANARY_WAIT_TIME, "
+            "DYN_HEALTH_CHECK_REQUEST_TIMEOUT or SIDECAR_FAILURE_THRESHOLD."
+        )
+
+    st, lv, rd = z.startup, z.liveness, z.readiness
+    ready_what = "the model is loaded and a canary passed" if z.canary else "the model is loaded"
+    lines += _probe(
+        "startupProbe",
+        f"{s.health_path} is 200 once {ready_what}. Liveness and readiness wait for it, so a "
+        f"load of up to {_secs(z.max_load)} s is never taken for a hang; after it, liveness "
+        "takes over.",
+        st,
+        z.port,
+        {
+            "timeoutSeconds": "answered from memory; headroom for a busy node",
+            "failureThreshold": f"restarted only after {st.failures - 1} x {st.period} s = "
+            f"{_secs(z.startup_budget)} s >= {_secs(z.max_load)} s load + "
+            f"{_secs(z.load_to_ready)} s to ready",
+        },
+    )
+    if z.canary:
+        restart = (
+            f"a hung engine is restarted within {_secs(z.hang_to_restart)} s "
+            f"({_secs(s.canary_wait_time)} s wait + {_secs(s.retry_interval)} s retry + "
+            f"{_secs(s.liveness_window)} s window + {lv.failures} x {lv.period} s)"
+        )
+    else:
+        restart = (
+            "without a canary only an engine whose own health route hangs or answers 5xx is "
+            f"restarted, within {_secs(z.hang_to_restart)} s"
+        )
+    busy = "while canaries still pass however busy it is" if z.canary else "while it is busy"
+    orphan = (
+        ", or its instance gone from discovery while it answers (an orphaned worker)"
+        if dynamo and s.discovery_backend is not DiscoveryBackend.KUBERNETES
+        else ""
+    )
+    lines += _probe(
+        "livenessProbe",
+        f"{s.live_path} fails only after {_secs(s.liveness_window)} s of uninterrupted hard "
+        f"failure (the engine accepts connections but does not answer in time, or answers "
+        f"5xx{orphan}); never while it loads, {busy}, or while it refuses connections; "
+        f"{restart}.",
+        lv,
+        z.port,
+        {
+            "failureThreshold": f"failures span {_secs(z.liveness_tolerance)} s: a sidecar "
+            "restart does not restart the engine",
+        },
+        (("terminationGracePeriodSeconds", LIVENESS_GRACE, "a hung engine drains nothing"),),
+    )
+    if z.canary:
+        detect = (
+            f"{s.health_path} turns 503 within {_secs(z.hang_to_notready)} s of a hang "
+            f"({_secs(s.canary_wait_time)} s wait + {_secs(s.retry_interval)} s retry + "
+            f"{s.failure_threshold - 1} x {_secs(max(s.retry_interval, s.request_timeout))} s + "
+            f"{_secs(s.request_timeout)} s timeout: {s.failure_threshold} failed canaries) and "
+            "already applies that hysteresis, so the kubelet needs few failures."
+        )
+        if z.stall_to_notready is not None:
+            detect += (
+                f" Under load, when the engine publishes its metrics, {s.health_path} turns 503 "
+                f"within {_secs(z.stall_to_notready)} s of its counters stopping."
+            )
+    else:
+        detect = (
+            f"{s.health_path} follows the engine's own health route (no canary): 503 within "
+            f"{_secs(z.hang_to_notready)} s of it failing or refusing. A hang behind a 200 "
+            "health route is not seen without a canary."
+        )
+    if dynamo:
+        detect += (
+            " Under Dynamo's Kubernetes discovery a pod that is not Ready leaves the Frontend's "
+            "routing; under etcd, readiness gates rollouts and Services only."
+        )
+    lines += _probe(
+        "readinessProbe",
+        detect,
+        rd,
+        z.port,
+        {
+            "failureThreshold": f"out of rotation within {_secs(z.hang_to_notready)} + "
+            f"{rd.failures} x {rd.period} = {_secs(z.hang_to_unready)} s",
+        },
+        (("successThreshold", 1, "ready as soon as the sidecar says so"),),
+    )
+    return "\n".join(lines)
