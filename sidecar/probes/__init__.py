@@ -9,8 +9,9 @@ API ``vllm.py``, ``sglang.py``, ``trtllm.py`` or ``openai.py``; over Dynamo's re
 from __future__ import annotations
 
 from sidecar.config import GENERATE, KV_TRANSFER, Backend, Settings, Transport
-from sidecar.probes.base import CanaryPlan, CanaryRequest, ProbeKind, Prober, Role
+from sidecar.probes.base import CanaryPlan, CanaryRequest, Prober, Role
 from sidecar.probes.dynamo import DynamoSglangProber, DynamoTrtllmProber, DynamoVllmProber
+from sidecar.probes.kinds import Probe, ProbeKind
 from sidecar.probes.openai import OpenAIProber
 from sidecar.probes.sglang import SglangProber
 from sidecar.probes.transfer import PATH
@@ -20,6 +21,7 @@ from sidecar.probes.vllm import VllmProber
 __all__ = [
     "CanaryPlan",
     "CanaryRequest",
+    "Probe",
     "ProbeKind",
     "Prober",
     "Role",
@@ -73,8 +75,10 @@ def plan_canary(settings: Settings, endpoint: str = GENERATE) -> CanaryPlan:
     path = settings.canary_path or prober.generation_path
     override = settings.health_check_payload
 
+    kind = ProbeKind.DYNAMO if settings.transport is Transport.DYNAMO else ProbeKind.HTTP
+
     def plan(enabled: bool, why: str) -> CanaryPlan:
-        return CanaryPlan(endpoint, enabled, why, prober, role, path, override)
+        return CanaryPlan(endpoint, enabled, why, prober, role, path, override, probe=kind)
 
     if not settings.health_check_enabled:
         return plan(

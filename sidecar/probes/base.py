@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from enum import StrEnum
 from typing import Any, ClassVar
 
 from sidecar.config import Backend, Mode, ModelType, Transport
@@ -18,6 +17,7 @@ from sidecar.core.evidence.progress import (
     Series,
 )
 from sidecar.core.evidence.transfers import TransferSpec
+from sidecar.probes.kinds import ProbeKind
 
 # Eight ordinary token ids: valid in every real vocabulary, and shorter than one KV block
 # (16 tokens in vLLM and SGLang by default), so a prefill never pins a full block.
@@ -141,11 +141,6 @@ class Prober:
         )
 
 
-class ProbeKind(StrEnum):
-    CANARY = "canary"
-    TRANSFER = "transfer"
-
-
 @dataclass(frozen=True)
 class CanaryPlan:
     """What --check-config prints and the monitor follows for one endpoint."""
@@ -160,7 +155,7 @@ class CanaryPlan:
     rank: int | None = None  # the data-parallel rank every canary of this plan is pinned to
     # What probes it: a canary (over HTTP, or Dynamo's request plane), or the transfer probe
     # (sidecar/probes/transfer.py) for an endpoint that informs and never fails liveness.
-    probe: ProbeKind = ProbeKind.CANARY
+    probe: ProbeKind = ProbeKind.HTTP
 
     @property
     def unit(self) -> str:

@@ -31,6 +31,7 @@ from sidecar.core.evidence.result import Outcome, Result
 from sidecar.probes.base import token_completion_body
 
 if TYPE_CHECKING:
+    from sidecar.probes.base import CanaryPlan, CanaryRequest
     from sidecar.runtime.engine import EngineClient
 
 # What vLLM's NIXL connector reads in a prefill request: "keep the KV, a decoder will pull it".
@@ -124,9 +125,14 @@ class TransferProbe:
         await self.peer.aclose()
         await self.local.aclose()
 
-    async def run(self, model: str | None) -> Result:
+    async def __call__(self, plan: CanaryPlan, request: CanaryRequest, model: str | None) -> Result:
+        """One probe (the protocol of :mod:`sidecar.probes.kinds`): only the request's id is
+        taken; the probe builds its own three bodies."""
+        return await self.run(model, request.request_id)
+
+    async def run(self, model: str | None, request_id: str | None = None) -> Result:
         started = self.clock()
-        request_id = f"kv-probe-{uuid.uuid4()}"
+        request_id = request_id or f"kv-probe-{uuid.uuid4()}"
 
         def result(outcome: Outcome, reason: str) -> Result:
             return Result(outcome, reason, started, self.clock(), time.time(), request_id, None)

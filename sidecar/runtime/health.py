@@ -182,7 +182,7 @@ class Health:
         models: dict[str, str | None] = {}
         for unit, plan in self.plans.items():
             before = snap.endpoints[unit]
-            if plan.probe is not ProbeKind.CANARY:  # the transfer probe is not a rank's
+            if not plan.probe.is_canary:  # the transfer probe is not a rank's
                 plans[unit], endpoints[unit], models[unit] = plan, before, snap.models.get(unit)
                 continue
             for rank in range(ranks):

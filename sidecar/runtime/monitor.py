@@ -27,6 +27,7 @@ import contextlib
 import logging
 import time
 import uuid
+from collections.abc import Mapping
 
 from sidecar.core.endpoint import canary_due, maintenance_due, suspected, transfer_due
 from sidecar.core.evidence.lifecycle import sleeping_in
@@ -43,8 +44,8 @@ from sidecar.core.evidence.progress import (
 from sidecar.core.evidence.result import Outcome, Result
 from sidecar.core.evidence.transfers import read_transfers
 from sidecar.core.verdict import HEARTBEAT_INTERVAL
-from sidecar.probes import CanaryPlan, ProbeKind
-from sidecar.probes.transfer import TransferProbe
+from sidecar.probes import CanaryPlan, Probe, ProbeKind
+from sidecar.probes.http import HttpCanary
 from sidecar.runtime.engine import EngineClient
 from sidecar.runtime.health import Health
 from sidecar.runtime.requestplane.worker import DynamoWorker
@@ -77,7 +78,7 @@ class Monitor:
         metrics_path: str | None = None,
         metrics_interval: float = 1.0,
         discover_ranks: bool = False,
-        transfer_probe: TransferProbe | None = None,
+        probes: Mapping[ProbeKind, Probe] | None = None,
         probe_interval: float = 60.0,
         worker: DynamoWorker | None = None,
     ) -> None:
@@ -89,7 +90,8 @@ class Monitor:
         self.metrics_path = metrics_path
         self.metrics_interval = metrics_interval
         self.discover_ranks = discover_ranks
-        self.transfer_probe = transfer_probe
+        # One probe per kind (sidecar.probes.kinds); the HTTP canary by default.
+        self.probes: Mapping[ProbeKind, Probe] = probes or {ProbeKind.HTTP: HttpCanary(client)}
         self.probe_interval = probe_interval
         self.worker = worker
         self._changed = asyncio.Event()
@@ -111,9 +113,7 @@ class Monitor:
             for name, plan in self.health.plans.items():
                 self._start_unit(name, plan)
             if self.discover_ranks:
-                template = next(
-                    p for p in self.health.plans.values() if p.probe is ProbeKind.CANARY
-                )
+                template = next(p for p in self.health.plans.values() if p.probe.is_canary)
                 group.create_task(self._discover_ranks(template), name="discover-ranks")
 
     def _start_unit(self, name: str, plan: CanaryPlan) -> None:
@@ -126,7 +126,6 @@ class Monitor:
         self._done.setdefault(name, 0)
         tasks = []
         if plan.probe is ProbeKind.TRANSFER:
-            assert self.transfer_probe is not None
             tasks.append(group.create_task(self._transfer_loop(name), name=f"probe:{name}"))
         elif plan.enabled:
             tasks.append(group.create_task(self._canary_loop(name, plan), name=f"canary:{name}"))
@@ -190,8 +189,8 @@ class Monitor:
             self._changed_now()
 
     async def _transfer_loop(self, name: str) -> None:
-        probe = self.transfer_probe
-        assert probe is not None
+        probe = self.probes[ProbeKind.TRANSFER]
+        plan = self.health.plans[name]
         while True:
             changed = self._changed
             snap = self.health.snapshot
@@ -207,7 +206,8 @@ class Monitor:
             # Its registration loop learns the served model, as a canary's does.
             snap = self.health.snapshot
             ep = snap.endpoints[name]
-            result = await probe.run(snap.models[name])
+            model = snap.models[name]
+            result = await probe(plan, plan.request(model, f"kv-probe-{uuid.uuid4()}"), model)
             log.debug("%s: transfer probe %s: %s", name, result.outcome, result.reason)
             self.health.record_canary(name, result, ep.incarnation)
             self._changed_now()
@@ -355,7 +355,7 @@ class Monitor:
     async def _canary_loop(self, name: str, plan: CanaryPlan) -> None:
         policy = self.health.policy
         spec = plan.progress_spec(self.metrics_path) if self.watch_progress else None
-        send = self.worker.canary if self.worker is not None else self.client.canary
+        probe = self.probes[plan.probe]
         while True:
             changed = self._changed
             ep = self.health.snapshot.endpoints[name]
@@ -363,7 +363,8 @@ class Monitor:
             if not await self._reached(due, changed):
                 continue
             confirming = suspected(ep, policy, self.health.clock())
-            request = plan.request(self.health.snapshot.models[name], f"canary-{uuid.uuid4()}")
+            model = self.health.snapshot.models[name]
+            request = plan.request(model, f"canary-{uuid.uuid4()}")
             log.debug(
                 "%s: sending canary %s%s",
                 name,
@@ -372,14 +373,14 @@ class Monitor:
             )
             if spec is None:
                 self._sent[name] += 1
-                result = await send(plan, request)
+                result = await probe(plan, request, model)
                 baseline = end = None
             else:
                 # The baseline read runs beside the canary, so it never delays it.
                 self._sent[name] += 1
                 reading = asyncio.create_task(self._read(name, spec), name=f"baseline:{name}")
                 try:
-                    result = await send(plan, request)
+                    result = await probe(plan, request, model)
                 except BaseException:
                     reading.cancel()
                     raise

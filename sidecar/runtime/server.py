@@ -25,6 +25,9 @@ from fastapi import FastAPI
 
 from sidecar.config import Settings, Transport
 from sidecar.probes import CanaryPlan, plan_canary, plan_transfer_probe
+from sidecar.probes.dynamo.canary import DynamoCanary
+from sidecar.probes.http import HttpCanary
+from sidecar.probes.kinds import Probe, ProbeKind
 from sidecar.probes.transfer import TransferProbe
 from sidecar.runtime.engine import EngineClient
 from sidecar.runtime.health import Health
@@ -186,10 +189,22 @@ class MonitorThread:
             metrics_path=settings.metrics_path,
             metrics_interval=settings.metrics_interval,
             discover_ranks=settings.dp_ranks == "auto" and parts.plan.enabled,
-            transfer_probe=probe,
+            probes=self._probes(client, probe, worker),
             probe_interval=settings.kv_probe_interval,
             worker=worker,
         )
+
+    @staticmethod
+    def _probes(
+        client: EngineClient, transfer: TransferProbe | None, worker: DynamoWorker | None
+    ) -> dict[ProbeKind, Probe]:
+        """The one map from kind to probe (sidecar.probes.kinds) the monitor sends through."""
+        probes: dict[ProbeKind, Probe] = {ProbeKind.HTTP: HttpCanary(client)}
+        if worker is not None:
+            probes[ProbeKind.DYNAMO] = DynamoCanary(worker)
+        if transfer is not None:
+            probes[ProbeKind.TRANSFER] = transfer
+        return probes
 
     async def _main(self) -> None:
         """Build the I/O parts, run the monitor until cancelled, then close what it opened (the

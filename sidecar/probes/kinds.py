@@ -1,0 +1,45 @@
+"""The kinds of probe and their one protocol, as blackbox_exporter's probers share one
+signature and one map (prober/handler.go).
+
+Each kind lives in a file of its own:
+
+- ``http``: a canary over the engine's HTTP API (:mod:`sidecar.probes.http`; its body per
+  backend in ``sidecar/probes/<backend>.py``);
+- ``dynamo``: a canary over Dynamo's request plane, straight to this pod's worker instance
+  (:mod:`sidecar.probes.dynamo.canary`; its payload per backend in
+  ``sidecar/probes/dynamo/<backend>.py``);
+- ``transfer``: the KV transfer probe of a vLLM decode worker (:mod:`sidecar.probes.transfer`).
+
+The monitor holds one map from kind to probe (built in :mod:`sidecar.runtime.server`) and sends
+each unit's probe through it: ``await probes[plan.probe](plan, request, model)``.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from sidecar.core.evidence.result import Result
+    from sidecar.probes.base import CanaryPlan, CanaryRequest
+
+
+class ProbeKind(StrEnum):
+    HTTP = "http"
+    DYNAMO = "dynamo"
+    TRANSFER = "transfer"
+
+    @property
+    def is_canary(self) -> bool:
+        """A canary (of an endpoint, or of one rank), not the transfer probe."""
+        return self is not ProbeKind.TRANSFER
+
+
+class Probe(Protocol):
+    """One probe of one unit. It keeps its own deadline (the whole answer), never raises for
+    what the engine does (every outcome is a :class:`~sidecar.core.evidence.result.Result`),
+    and stops on the engine what it gave up on where the engine lets it."""
+
+    async def __call__(
+        self, plan: CanaryPlan, request: CanaryRequest, model: str | None
+    ) -> Result: ...
