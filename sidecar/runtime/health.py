@@ -1,12 +1,12 @@
 """The single writer of health state, and the snapshot every reader reads.
 
 The monitor (on its own thread) reports what it observed; :class:`Health` hands each observation
-to its evidence source (:mod:`sidecar.core.endpoint`), logs one line per change with its reason,
-counts
-it in metrics, and publishes a new immutable :class:`Snapshot`. The HTTP routes and the metrics
-collector, on another thread, read ``health.snapshot`` once per answer: one /health body always
-comes from one snapshot. Only the monitor's thread calls the writers (SIGTERM's drain request is
-handed to it too).
+to its evidence source (:mod:`sidecar.core.endpoint`), publishes a new immutable
+:class:`Snapshot`, and hands what changed, as events (:mod:`sidecar.core.events`), to its
+subscribers: the log (:func:`log_event`), the metrics and the history. The HTTP routes and the
+metrics collector, on another thread, read ``health.snapshot`` once per answer: one /health
+body always comes from one snapshot. Only the monitor's thread calls the writers (SIGTERM's
+drain request is handed to it too).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from sidecar.core.endpoint import (
     apply_transfers,
     judged,
 )
+from sidecar.core.events import Event, Kind, note, verdict_events, worker_events
 from sidecar.core.evidence import lifecycle
 from sidecar.core.evidence.canary import CanaryState
 from sidecar.core.evidence.lifecycle import LifecycleState
@@ -41,8 +42,6 @@ from sidecar.core.verdict import (
     Verdict,
     endpoint_verdict,
     endpoint_verdicts,
-    engine_disagrees,
-    engine_undersells,
     monitor_silent,
     worker_liveness,
     worker_readiness,
@@ -66,18 +65,15 @@ def policy_from(settings: Settings) -> Policy:
     )
 
 
-@dataclass(frozen=True)
-class Listener:
-    """Called on the monitor's thread after every recorded event (metrics use it)."""
+# A subscriber to the events of every step (the log, the metrics, the history), called on the
+# monitor's thread after the new snapshot is published.
+Subscriber = Callable[[Event], None]
 
-    on_canary: Callable[[str, Result], None]
-    on_transition: Callable[[str, str], None]
-    # A disagreement with the engine's own health route began (engine_says: "ready", it answers
-    # 200 while the sidecar finds it hung; "notready", it answers non-200 while canaries pass).
-    on_disagreement: Callable[[str, str], None]
-    # Changes of the worker's verdicts (the history uses them); optional.
-    on_readiness: Callable[[Readiness], None] = lambda _: None
-    on_liveness: Callable[[Liveness], None] = lambda _: None
+
+def log_event(event: Event) -> None:
+    """The log's subscription: one line per event that says itself."""
+    if event.text is not None:
+        log.log(event.level, "%s", event.text)
 
 
 @dataclass(frozen=True)
@@ -129,7 +125,7 @@ class Health:
         self.clock = clock
         self.started = clock()
         self.plans = {p.unit: p for p in plans}
-        self.listeners: list[Listener] = []
+        self.listeners: list[Subscriber] = [log_event]
         endpoints = {
             u: EndpointState(u, p.enabled, p.why, liveness=p.probe is not ProbeKind.TRANSFER)
             for u, p in self.plans.items()
@@ -196,7 +192,8 @@ class Health:
                     canary=CanaryState(next_due=due),
                 )
                 models[ranked.unit] = snap.models.get(unit)
-        log.info(
+        self._say(
+            logging.INFO,
             "checking %d data-parallel ranks (%s), each with its own canary",
             ranks,
             ", ".join(plans),
@@ -211,14 +208,15 @@ class Health:
         before = self.snapshot.endpoints[name]
         after = apply_registration(before, result, self.policy)
         if before.registration.registered != after.registration.registered:
-            log.info(
+            self._say(
+                logging.INFO,
                 "%s: engine %s (%s)",
                 name,
                 "registered" if after.registration.registered else "deregistered",
                 after.registration.reason,
             )
         elif after.registration.note and after.registration.note != before.registration.note:
-            log.info("%s: %s", name, after.registration.reason)
+            self._say(logging.INFO, "%s: %s", name, after.registration.reason)
         self._commit(name, after)
 
     def record_canary(
@@ -234,8 +232,7 @@ class Health:
     ) -> None:
         before = self.snapshot.endpoints[name]
         result = judged(before, result, self.policy)
-        for listener in self.listeners:
-            listener.on_canary(name, result)
+        self._emit(Event(Kind.CANARY, None, unit=name, result=result))
         after = apply_canary(
             before,
             result,
@@ -247,7 +244,8 @@ class Health:
             suspected=suspected,
         )
         if after is before:
-            log.debug(
+            self._say(
+                logging.DEBUG,
                 "%s: dropped the result of canary %s: sent to an older incarnation, or across "
                 "a pause",
                 name,
@@ -255,7 +253,8 @@ class Health:
             )
             return
         if result.outcome is Outcome.TIMEOUT:
-            log.debug(
+            self._say(
+                logging.DEBUG,
                 "%s: canary %s timed out; metrics before: %s; after: %s; %s",
                 name,
                 result.request_id,
@@ -264,7 +263,7 @@ class Health:
                 after.canary.reason,
             )
         if after.canary.stalled and not before.canary.stalled:
-            log.warning("%s: engine stalled: %s", name, after.canary.reason)
+            self._say(logging.WARNING, "%s: engine stalled: %s", name, after.canary.reason)
         self._commit(name, after)
 
     def record_sample(
@@ -281,9 +280,10 @@ class Health:
         if self._progress_said.get(name) != said:  # once per change, not per incarnation
             self._progress_said[name] = said
             if after.progress.readable:
-                log.info("%s: engine progress: %s", name, after.progress.why)
+                self._say(logging.INFO, "%s: engine progress: %s", name, after.progress.why)
             else:
-                log.info(
+                self._say(
+                    logging.INFO,
                     "%s: engine progress unknown (%s); the canary alone decides",
                     name,
                     after.progress.why,
@@ -301,7 +301,7 @@ class Health:
         else:
             after = lifecycle.on_sleep_route(before.lifecycle, sleeping, why, now, missing=missing)
             if missing and not before.lifecycle.sleep_route_missing:
-                log.info("%s: %s; its sleep state is not asked again", name, why)
+                self._say(logging.INFO, "%s: %s; its sleep state is not asked again", name, why)
         self._pause_change(name, before.lifecycle, after)
 
     def record_transfers(self, name: str, sample: TransferSample | None) -> None:
@@ -310,9 +310,14 @@ class Health:
         now = self.clock()
         was, is_ = before.transfers.failing(now), after.transfers.failing(now)
         if is_ and not was:
-            log.warning("%s: %s", name, after.transfers.note(now).removeprefix("; "))
+            self._say(logging.WARNING, "%s: %s", name, after.transfers.note(now).removeprefix("; "))
         elif was and not is_:
-            log.info("%s: KV transfers from prefill peers: no failure for %g s", name, WINDOW)
+            self._say(
+                logging.INFO,
+                "%s: KV transfers from prefill peers: no failure for %g s",
+                name,
+                WINDOW,
+            )
         self._commit(name, after)
 
     def record_discovery(
@@ -323,9 +328,9 @@ class Health:
         after = apply_discovery(before, listed, instance, self.clock(), where)
         was, is_ = before.discovery, after.discovery
         if is_.listed is False and (was.listed is not False or was.instance != is_.instance):
-            log.warning("%s: %s", name, is_.reason())
+            self._say(logging.WARNING, "%s: %s", name, is_.reason())
         elif is_.listed and was.listed is False and was.instance == is_.instance:
-            log.info("%s: %s is listed by %s again", name, is_.instance, is_.where)
+            self._say(logging.INFO, "%s: %s is listed by %s again", name, is_.instance, is_.where)
         self._commit(name, after)
 
     def record_engine_health(
@@ -335,7 +340,7 @@ class Health:
         before = self.snapshot.endpoints[name]
         after = apply_engine_health(before, status_code, status, detail, self.clock())
         if after.engine_health.says_ready != before.engine_health.says_ready:
-            log.info("%s: the engine's own health route: %s", name, detail)
+            self._say(logging.INFO, "%s: the engine's own health route: %s", name, detail)
         self._commit(name, after)
 
     def start_maintenance(self, reason: str, seconds: float) -> None:
@@ -344,7 +349,9 @@ class Health:
         for name, ep in self.snapshot.endpoints.items():
             after = lifecycle.start_maintenance(ep.lifecycle, reason, seconds, now, wall)
             if ep.lifecycle.maintenance is not None:
-                log.info("%s: maintenance window replaced: %s", name, after.reason(now))
+                self._say(
+                    logging.INFO, "%s: maintenance window replaced: %s", name, after.reason(now)
+                )
             self._pause_change(name, ep.lifecycle, after)
 
     def end_maintenance(self, why: str) -> None:
@@ -362,18 +369,20 @@ class Health:
         now = self.clock()
         if before.paused != after.paused:
             if after.paused:
-                log.info("%s: paused: %s", name, after.reason(now))
+                self._say(logging.INFO, "%s: paused: %s", name, after.reason(now))
             else:
                 proof = "; a canary proves the engine before it is ready" if ep.has_canary else ""
-                log.info("%s: resumed (%s)%s", name, why or "the engine is awake", proof)
+                self._say(
+                    logging.INFO, "%s: resumed (%s)%s", name, why or "the engine is awake", proof
+                )
         elif why:
-            log.info("%s: %s; still paused: %s", name, why, after.reason(now))
+            self._say(logging.INFO, "%s: %s; still paused: %s", name, why, after.reason(now))
         self._commit(name, apply_lifecycle(ep, after, self.clock()))
 
     def set_model(self, name: str, model: str | None) -> None:
         snap = self.snapshot
         if snap.models[name] != model:
-            log.info("%s: served model is %r (from GET /v1/models)", name, model)
+            self._say(logging.INFO, "%s: served model is %r (from GET /v1/models)", name, model)
             self.snapshot = replace(snap, models={**snap.models, name: model})
 
     def start_draining(self) -> None:
@@ -393,63 +402,42 @@ class Health:
             self.snapshot = replace(snap, heartbeat=self.clock())
             return
         new = self._make({**snap.endpoints, name: after}, snap.models, snap.draining)
-        was, now = snap.verdicts[name], new.verdicts[name]
-        self.snapshot = new
-        if was.ready != now.ready:
-            label = {True: "ready", False: "notready", None: "unknown"}[now.ready]
-            log.info(
-                "%s: %s %s: %s",
-                name,
-                "rank" if name not in new.units else "endpoint",
-                label,
-                now.reason,
-            )
-            for listener in self.listeners:
-                listener.on_transition(name, label)
         endpoint = self.plans[name].endpoint
-        if new.ranked(endpoint):
-            old_e, new_e = snap.endpoint_verdicts[endpoint], new.endpoint_verdicts[endpoint]
-            if (old_e.ready, old_e.degraded) != (new_e.ready, new_e.degraded):
-                state = (
-                    "degraded"
-                    if new_e.degraded
-                    else {True: "ready", False: "notready", None: "unknown"}[new_e.ready]
-                )
-                log.info("%s: endpoint %s: %s", endpoint, state, new_e.reason)
-        if engine_disagrees(after) and not engine_disagrees(before):
-            log.warning("%s: the engine's own health route answers 200 while it is hung", name)
-            for listener in self.listeners:
-                listener.on_disagreement(name, "ready")
-        if engine_undersells(after) and not engine_undersells(before):
-            log.info(
-                "%s: the engine's own health route says %s while its canaries pass",
+        combined = (
+            (endpoint, snap.endpoint_verdicts[endpoint], new.endpoint_verdicts[endpoint])
+            if new.ranked(endpoint)
+            else None
+        )
+        self.snapshot = new
+        self._emit(
+            *verdict_events(
                 name,
-                after.engine_health.detail,
+                name not in new.units,
+                before,
+                after,
+                snap.verdicts[name],
+                new.verdicts[name],
+                combined,
             )
-            for listener in self.listeners:
-                listener.on_disagreement(name, "notready")
+        )
         self._log_worker()
 
     def _log_worker(self) -> None:
-        snap = self.snapshot
-        now = self.clock()
-        readiness = readiness_of(snap, now)
-        if readiness.ready != self._last_ready:
-            self._last_ready = readiness.ready
-            log.info(
-                "worker %s (rule %s): %s",
-                "ready" if readiness.ready else "notready",
-                readiness.rule,
-                readiness.reason,
-            )
-            for listener in self.listeners:
-                listener.on_readiness(readiness)
-        liveness = liveness_of(snap, now)
-        if liveness.live != self._last_live:
-            self._last_live = liveness.live
-            log.warning("worker %s: %s", "live" if liveness.live else "not live", liveness.reason)
-            for listener in self.listeners:
-                listener.on_liveness(liveness)
+        """Tell the worker's readiness and liveness when they changed."""
+        snap, now = self.snapshot, self.clock()
+        readiness, liveness = readiness_of(snap, now), liveness_of(snap, now)
+        events = worker_events(self._last_ready, self._last_live, readiness, liveness)
+        self._last_ready, self._last_live = readiness.ready, liveness.live
+        self._emit(*events)
+
+    def _emit(self, *events: Event) -> None:
+        for event in events:
+            for subscriber in self.listeners:
+                subscriber(event)
+
+    def _say(self, level: int, text: str, *args: object) -> None:
+        """A source's change worth a line (``text % args``), as an event."""
+        self._emit(note(text % args if args else text, level))
 
 
 # --- readers: any thread, one snapshot per answer -----------------------------------------------

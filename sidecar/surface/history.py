@@ -2,10 +2,10 @@
 
 Like blackbox_exporter's prober/history.go, successes and failures are kept in separate bounded
 rings, so a burst of successes never pushes out the failures a person comes to look at. The
-monitor's thread writes (through a :class:`~sidecar.runtime.health.Listener`); the HTTP thread
-reads a
-:class:`View`, a consistent copy of immutable entries taken under a lock. Every text kept here is
-scrubbed of credentials first (see :func:`scrub`), so nothing secret can be served from it.
+monitor's thread writes (as a subscriber to Health's events, :mod:`sidecar.core.events`); the
+HTTP thread reads a :class:`View`, a consistent copy of immutable entries taken under a lock.
+Every text kept here is scrubbed of credentials first (see :func:`scrub`), so nothing secret can
+be served from it.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
+from sidecar.core.events import Event, Kind
 from sidecar.core.evidence.result import Result
-from sidecar.core.verdict import Liveness, Readiness
 from sidecar.redact import redact
-from sidecar.runtime.health import Health, Listener
+from sidecar.runtime.health import Health
 
 SUCCESSES = 100
 FAILURES = 100
@@ -119,23 +119,22 @@ class History:
             self._changes.append(entry)
 
     def listen(self, health: Health) -> None:
-        """Record ``health``'s canaries and verdict changes from now on."""
+        """Record ``health``'s canaries and verdict changes from now on (its events)."""
 
-        def transition(endpoint: str, to: str) -> None:
-            # Health publishes the new snapshot before it calls its listeners.
-            verdict = health.snapshot.verdicts.get(endpoint)
-            self.add_change("endpoint", endpoint, to, verdict.reason if verdict else "")
+        def on_event(event: Event) -> None:
+            if event.kind is Kind.CANARY and event.unit and event.result is not None:
+                self.add_canary(event.unit, event.result)
+            elif event.kind is Kind.VERDICT and event.unit and event.label:
+                self.add_change("endpoint", event.unit, event.label, event.reason)
+            elif event.kind is Kind.READINESS and event.readiness is not None:
+                r = event.readiness
+                self.add_change("worker", "readiness", "ready" if r.ready else "notready",
+                                r.reason, r.rule.value)  # fmt: skip
+            elif event.kind is Kind.LIVENESS and event.liveness is not None:
+                lv = event.liveness
+                self.add_change("worker", "liveness", "live" if lv.live else "notlive", lv.reason)
 
-        def readiness(r: Readiness) -> None:
-            to = "ready" if r.ready else "notready"
-            self.add_change("worker", "readiness", to, r.reason, r.rule.value)
-
-        def liveness(lv: Liveness) -> None:
-            self.add_change("worker", "liveness", "live" if lv.live else "notlive", lv.reason)
-
-        health.listeners.append(
-            Listener(self.add_canary, transition, lambda _e, _s: None, readiness, liveness)
-        )
+        health.listeners.append(on_event)
 
     # --- reader: any thread ----------------------------------------------------------------------
     def view(self) -> View:

@@ -31,9 +31,11 @@ from prometheus_client.registry import Collector
 from sidecar import __version__
 from sidecar.config import Settings
 from sidecar.core.endpoint import EndpointState
-from sidecar.core.evidence.result import Outcome, Result
+from sidecar.core.events import Event
+from sidecar.core.events import Kind as EventKind
+from sidecar.core.evidence.result import Outcome
 from sidecar.core.verdict import clocks, engine_disagrees
-from sidecar.runtime.health import Health, Listener, Snapshot, liveness_of, readiness_of
+from sidecar.runtime.health import Health, Snapshot, liveness_of, readiness_of
 
 PREFIX = "health_sidecar"
 
@@ -417,16 +419,18 @@ class Metrics:
         # Event loops besides the HTTP server's whose tasks count in health_sidecar_asyncio_tasks.
         self.loops: list[asyncio.AbstractEventLoop] = []
         self.registry.register(_VerdictCollector(health, self.loops))
-        health.listeners.append(
-            Listener(self._on_canary, self._on_transition, self.disagreements_inc)
-        )
+        health.listeners.append(self._on_event)
 
-    def _on_canary(self, endpoint: str, result: Result) -> None:
-        self.canaries.labels(endpoint, result.outcome.value).inc()
-        self.latency.labels(endpoint).observe(result.latency)
-
-    def _on_transition(self, endpoint: str, to: str) -> None:
-        self.transitions.labels(endpoint, to).inc()
+    def _on_event(self, event: Event) -> None:
+        """The counters that follow Health's events: canaries, transitions, disagreements."""
+        unit = event.unit or ""
+        if event.kind is EventKind.CANARY and event.result is not None:
+            self.canaries.labels(unit, event.result.outcome.value).inc()
+            self.latency.labels(unit).observe(event.result.latency)
+        elif event.kind is EventKind.VERDICT and event.label is not None:
+            self.transitions.labels(unit, event.label).inc()
+        elif event.kind is EventKind.DISAGREEMENT and event.label is not None:
+            self.disagreements_inc(unit, event.label)
 
     def disagreements_inc(self, endpoint: str, engine_says: str) -> None:
         self.disagreements.labels(endpoint, engine_says).inc()
