@@ -95,7 +95,7 @@ def size(settings: Settings, max_load_seconds: float) -> Sizing:
         raise ValueError(f"--max-load-seconds must be a number > 0, not {max_load_seconds!r}")
     s = settings
     canary = plan_canary(s).enabled
-    wait, retry, timeout = s.canary_wait_time, s.retry_interval, s.request_timeout
+    retry, timeout = s.retry_interval, s.request_timeout
     if canary:
         # Registration check, model discovery, then success_threshold canaries (each started
         # retry after the previous ended).
@@ -105,17 +105,11 @@ def size(settings: Settings, max_load_seconds: float) -> Sizing:
             + s.success_threshold * timeout
             + (s.success_threshold - 1) * retry
         )
-        # After the last passed canary: the next is due after wait (the monitor wakes at most
-        # retry late), then failure_threshold canaries time out, started max(retry, timeout)
-        # apart.
-        hang_to_notready = wait + retry + (s.failure_threshold - 1) * max(retry, timeout) + timeout
-        # The hard-failure run starts with the first failed canary, at most wait + retry after
-        # the hang started; /live fails liveness_window later.
-        hang_to_notlive = wait + retry + s.liveness_window
-        # With work in flight, quiet counters raise a suspicion that one canary confirms:
-        # notready within the stall bound (the stall window, when it is at least the timeout
-        # plus two metrics intervals).
-        stall_to_notready = policy_from(s).stall_bound if s.progress_enabled else None
+        policy = policy_from(s)  # the timing formulas: sidecar/core/evidence/policy.py
+        hang_to_notready = policy.hang_to_notready
+        hang_to_notlive = policy.hang_to_notlive
+        # With work in flight, quiet counters raise a suspicion that one canary confirms.
+        stall_to_notready = policy.stall_bound if s.progress_enabled else None
     else:
         # No canary: readiness follows the engine's own health route.
         load_to_ready = s.registration_interval + timeout

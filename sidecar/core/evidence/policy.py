@@ -31,3 +31,22 @@ class Policy:
     def stall_bound(self) -> float:
         """The longest time from counters stopping under load to notready ("stalled")."""
         return self.metrics_interval + self.suspect_after + self.timeout
+
+    @property
+    def hang_to_notready(self) -> float:
+        """The longest time from a hang to notready, with a canary: after the last passed canary
+        the next is due ``wait`` later (the monitor wakes at most ``retry`` late), then
+        ``failure_threshold`` canaries time out, started ``max(retry, timeout)`` apart."""
+        return (
+            self.wait
+            + self.retry
+            + (self.failure_threshold - 1) * max(self.retry, self.timeout)
+            + self.timeout
+        )
+
+    @property
+    def hang_to_notlive(self) -> float:
+        """The longest time from a hang to /live failing, with a canary: the hard-failure clock
+        starts with the first failed canary, at most ``wait + retry`` after the hang began, and
+        runs ``liveness_window``."""
+        return self.wait + self.retry + self.liveness_window
