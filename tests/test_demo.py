@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import httpx
+import pytest
 
 from tests.support.harness import LOOPBACK, Proc, base_env, free_port, wait_until
 
@@ -30,7 +31,7 @@ def start_demo(env: dict[str, str], *argv: str) -> tuple[Proc, str]:
     try:
         wait_until(ready, 15, what="the demo to be ready")
     except BaseException:
-        demo.stop()
+        demo.stop(sig=signal.SIGINT)
         raise
     return demo, url
 
@@ -124,4 +125,10 @@ def test_the_commands_the_demo_prints_work_when_pasted():
         shell(commands["and release it"])
         wait_until(lambda: status() == "ready", 5, interval=0.1, what="ready after the release")
     finally:
-        demo.stop()
+        # Ctrl-C, as a person ends it: the demo ends its fake engine (SIGTERM would drain it
+        # past stop()'s patience, and the SIGKILL after it would leave the engine behind).
+        demo.stop(sig=signal.SIGINT)
+    engine = re.search(r"fakeengine listening on (http://\S+)", demo.output())
+    assert engine is not None
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{engine[1]}/health", timeout=1, trust_env=False)
