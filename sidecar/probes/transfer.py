@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -130,9 +129,8 @@ class TransferProbe:
         taken; the probe builds its own three bodies."""
         return await self.run(model, request.request_id)
 
-    async def run(self, model: str | None, request_id: str | None = None) -> Result:
+    async def run(self, model: str | None, request_id: str) -> Result:
         started = self.clock()
-        request_id = request_id or f"kv-probe-{uuid.uuid4()}"
 
         def result(outcome: Outcome, reason: str) -> Result:
             return Result(outcome, reason, started, self.clock(), time.time(), request_id, None)
