@@ -17,6 +17,7 @@ from aiotools import VirtualClock
 
 from sidecar.config import Settings, load_settings
 from sidecar.core.evidence.result import Outcome, Result
+from sidecar.core.observations import MaintenanceDeclared
 from sidecar.probes import CanaryPlan, CanaryRequest, plan_canary
 from sidecar.runtime.health import Health, liveness_of, readiness_of
 from sidecar.runtime.monitor import Monitor
@@ -94,7 +95,10 @@ def settings(monkeypatch: pytest.MonkeyPatch, **env: str) -> Settings:
 
 
 def run_virtually(
-    s: Settings, script: Callable[[Health, ScriptedEngine], Awaitable[Any]]
+    s: Settings,
+    script: Callable[[Health, ScriptedEngine, Monitor], Awaitable[Any]],
+    *,
+    check: bool = False,
 ) -> tuple[Health, ScriptedEngine]:
     """Run a Monitor on a virtual clock while ``script`` drives the engine and looks on."""
 
@@ -117,10 +121,14 @@ def run_virtually(
             )
             task = asyncio.create_task(monitor.run())
             try:
-                await script(health, engine)
+                await script(health, engine, monitor)
             finally:
                 task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
+                (ended,) = await asyncio.gather(task, return_exceptions=True)
+            if check and isinstance(ended, Exception):
+                raise ended  # the monitor's own error, not the cancellation
+            # The monitor owns every task it started: none outlives it.
+            assert asyncio.all_tasks() == {asyncio.current_task()}
             return health, engine
 
     return asyncio.run(main())
@@ -146,7 +154,7 @@ def test_a_hang_is_notready_within_the_bound_whenever_it_starts(monkeypatch, pha
     bound = size(s, 7200).hang_to_notready  # what `health-sidecar probes` sizes the probes by
     took: list[float] = []
 
-    async def script(health: Health, engine: ScriptedEngine) -> None:
+    async def script(health: Health, engine: ScriptedEngine, _: Monitor) -> None:
         await until(lambda: ready(health), 5)
         await asyncio.sleep(phase)  # the hang starts at any point of the schedule
         engine.hung = True
@@ -160,7 +168,7 @@ def test_a_hang_is_notready_within_the_bound_whenever_it_starts(monkeypatch, pha
 def test_an_idle_healthy_engine_gets_one_canary_per_wait(monkeypatch):
     s = settings(monkeypatch, DYN_CANARY_WAIT_TIME="10")
 
-    async def script(health: Health, engine: ScriptedEngine) -> None:
+    async def script(health: Health, engine: ScriptedEngine, _: Monitor) -> None:
         await until(lambda: ready(health), 5)
         first = len(engine.canary_starts)
         await asyncio.sleep(60)
@@ -174,7 +182,7 @@ def test_an_idle_healthy_engine_gets_one_canary_per_wait(monkeypatch):
 def test_liveness_fails_one_window_after_the_hard_failures_start(monkeypatch):
     s = settings(monkeypatch, SIDECAR_LIVENESS_WINDOW="30")
 
-    async def script(health: Health, engine: ScriptedEngine) -> None:
+    async def script(health: Health, engine: ScriptedEngine, _: Monitor) -> None:
         await until(lambda: ready(health), 5)
         sent = engine.calls["canary"]
         engine.hung = True
@@ -193,7 +201,7 @@ def test_the_engine_is_read_once_per_interval_for_all_its_ranks(monkeypatch):
     s = settings(monkeypatch, SIDECAR_DP_RANKS="2")
     counted: dict[str, int] = {}
 
-    async def script(health: Health, engine: ScriptedEngine) -> None:
+    async def script(health: Health, engine: ScriptedEngine, _: Monitor) -> None:
         await until(lambda: ready(health), 5)
         before = dict(engine.calls)
         await asyncio.sleep(25)
@@ -207,3 +215,37 @@ def test_the_engine_is_read_once_per_interval_for_all_its_ranks(monkeypatch):
     assert 24 <= counted["metrics"] - counted["canary"] <= 26, counted
     # Each rank has its own canary, every wait (10 s): two each in 25 s.
     assert counted["canary"] == 4, counted
+
+
+def test_a_window_declared_from_outside_wakes_the_loop_and_ends_on_time(monkeypatch):
+    s = settings(monkeypatch, DYN_CANARY_WAIT_TIME="10")
+
+    async def script(health: Health, engine: ScriptedEngine, monitor: Monitor) -> None:
+        loop = asyncio.get_running_loop()
+        await until(lambda: ready(health), 5)
+        sent = len(engine.canary_starts)
+        monitor.observe(MaintenanceDeclared("weights", 30.0, 1e9))
+        declared = loop.time()
+        assert not ready(health)
+        await until(lambda: len(engine.canary_starts) > sent, 40)
+        # No canary during the window; one at once when it ends (the engine proves itself).
+        assert engine.canary_starts[-1] - declared == pytest.approx(30, abs=0.05)
+        await until(lambda: ready(health), 1)
+
+    run_virtually(s, script)
+
+
+def test_an_unexpected_error_in_any_work_stops_the_monitor(monkeypatch):
+    s = settings(monkeypatch)
+
+    async def script(health: Health, engine: ScriptedEngine, _: Monitor) -> None:
+        await until(lambda: ready(health), 5)
+
+        async def broken(path: str) -> tuple[str | None, str]:
+            raise RuntimeError("a bug")
+
+        engine.metrics_text = broken  # type: ignore[method-assign]
+        await asyncio.sleep(5)
+
+    with pytest.raises(RuntimeError, match="a bug"):
+        run_virtually(s, script, check=True)

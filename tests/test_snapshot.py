@@ -7,6 +7,7 @@ from fastapi.testclient import TestClient
 
 from sidecar.config import load_settings
 from sidecar.core.evidence.result import Outcome, Result
+from sidecar.core.observations import CanaryDone, DrainAsked, Heartbeat, Registered
 from sidecar.core.verdict import HEARTBEAT_STALE
 from sidecar.probes import plan_canary
 from sidecar.runtime.health import Health
@@ -29,9 +30,10 @@ def ready_health(monkeypatch) -> tuple[Health, Clock, TestClient]:
     clock = Clock()
     health = Health(settings, [plan_canary(settings)], clock=clock)
     ok = Result(Outcome.SUCCESS, "GET /health -> 200", 100.0, 100.01, 1e9, "", 200)
-    health.record_registration("generate", ok)
+    health.observe(Registered("generate", ok))
     canary = Result(Outcome.SUCCESS, "fine", 100.02, 100.03, 1e9, "canary-1", 200)
-    health.record_canary("generate", canary, health.snapshot.endpoints["generate"].incarnation)
+    incarnation = health.snapshot.endpoints["generate"].incarnation
+    health.observe(CanaryDone("generate", canary, incarnation))
     app = create_app(settings, health, Metrics(health))
     return health, clock, TestClient(app)
 
@@ -41,7 +43,7 @@ def test_a_fresh_snapshot_serves_the_verdict(monkeypatch):
     assert client.get("/health").status_code == 200
     assert client.get("/sidecar/live").status_code == 200
     clock.now += HEARTBEAT_STALE - 1
-    health.tick()  # the monitor's heartbeat
+    health.observe(Heartbeat())  # the monitor's heartbeat
     clock.now += HEARTBEAT_STALE - 1
     assert client.get("/health").status_code == 200
 
@@ -64,7 +66,7 @@ def test_a_stuck_monitor_is_not_served_as_a_verdict(monkeypatch):
 
 def test_draining_is_applied_by_the_writer_and_wins(monkeypatch):
     health, _, client = ready_health(monkeypatch)
-    health.start_draining()
+    health.observe(DrainAsked())
     body = client.get("/health").json()
     assert body["rule"] == "draining"
     assert client.get("/live").status_code == 200

@@ -25,6 +25,7 @@ from fastapi.testclient import TestClient
 
 from sidecar.config import ConfigError, load_settings
 from sidecar.core.evidence.result import Outcome, Result
+from sidecar.core.observations import CanaryDone, Registered
 from sidecar.probes import plan_canary
 from sidecar.runtime.health import Health
 from sidecar.surface.app import create_app
@@ -97,9 +98,9 @@ def health_with_history(monkeypatch: pytest.MonkeyPatch) -> tuple[Health, Histor
 def test_the_listener_records_canaries_and_changes_of_every_verdict(monkeypatch) -> None:
     health, history, client = health_with_history(monkeypatch)
     ok = Result(Outcome.SUCCESS, "GET /health -> 200", 0, 0.01, 1e9, "", 200)
-    health.record_registration("generate", ok)
+    health.observe(Registered("generate", ok))
     incarnation = health.snapshot.endpoints["generate"].incarnation
-    health.record_canary("generate", result(Outcome.SUCCESS, 1, rid="canary-a"), incarnation)
+    health.observe(CanaryDone("generate", result(Outcome.SUCCESS, 1, rid="canary-a"), incarnation))
     view = history.view()
     assert [c.request_id for c in view.canaries] == ["canary-a"]
     assert {(c.scope, c.name, c.to) for c in view.changes} >= {

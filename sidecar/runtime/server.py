@@ -24,6 +24,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from sidecar.config import Settings, Transport
+from sidecar.core.observations import DrainAsked, Observation
 from sidecar.probes import CanaryPlan, plan_canary, plan_transfer_probe
 from sidecar.probes.dynamo.canary import DynamoCanary
 from sidecar.probes.http import HttpCanary
@@ -89,10 +90,6 @@ class StartupError(Exception):
     """A part could not start for a reason the configuration names: exit 2, one line."""
 
 
-async def _call(change: Callable[[], None]) -> None:
-    change()
-
-
 class MonitorThread:
     """The monitor, with the engine client, on an event loop of its own in its own thread: however
     many probes the HTTP server answers, canaries leave on time. It is the only writer of the
@@ -108,6 +105,7 @@ class MonitorThread:
         self.thread = threading.Thread(target=self._serve_loop, name="monitor", daemon=True)
         self.finished = threading.Event()
         self._future: concurrent.futures.Future[None] | None = None
+        self._monitor: Monitor | None = None
 
     def _serve_loop(self) -> None:
         asyncio.set_event_loop(self.loop)
@@ -176,7 +174,7 @@ class MonitorThread:
             clock=parts.health.clock,
         )
 
-    def _monitor(
+    def _new_monitor(
         self, client: EngineClient, probe: TransferProbe | None, worker: DynamoWorker | None
     ) -> Monitor:
         settings, parts = self.settings, self.parts
@@ -218,7 +216,7 @@ class MonitorThread:
         if settings.transport is Transport.DYNAMO:
             plane = await self._request_plane(client)
             worker = self._worker(client, plane)
-        monitor = self._monitor(client, probe, worker)
+        monitor = self._monitor = self._new_monitor(client, probe, worker)
         try:
             await monitor.run()
         finally:
@@ -235,9 +233,22 @@ class MonitorThread:
         self._future = asyncio.run_coroutine_threadsafe(self._main(), self.loop)
         return asyncio.wrap_future(self._future)
 
-    async def submit(self, change: Callable[[], None]) -> None:
-        """Run ``change`` on the monitor's thread (the state's only writer) and wait for it."""
-        await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(_call(change), self.loop))
+    async def submit(self, obs: Observation) -> None:
+        """Hand ``obs`` to the monitor's thread (the state's only writer) and wait for its step."""
+        await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._observed(obs), self.loop))
+
+    def hand(self, obs: Observation) -> None:
+        """Hand ``obs`` to the monitor's thread; do not wait."""
+        self.loop.call_soon_threadsafe(self._observe, obs)
+
+    async def _observed(self, obs: Observation) -> None:
+        self._observe(obs)
+
+    def _observe(self, obs: Observation) -> None:
+        if self._monitor is not None:
+            self._monitor.observe(obs)  # wakes its loop: what is due may have changed
+        else:
+            self.parts.health.observe(obs)
 
     async def stop(self) -> None:
         """Cancel the monitor, let it close the engine client, end the thread."""
@@ -371,7 +382,7 @@ class Sidecar:
         """Readiness 503 at once; keep serving until the engine is gone or the drain timeout
         passes, then stop the servers."""
         # The monitor's thread is the only writer: hand it the request.
-        self.monitor.loop.call_soon_threadsafe(self.parts.health.start_draining)
+        self.monitor.hand(DrainAsked())
         loop = asyncio.get_running_loop()
         timeout = self.settings.drain_timeout
         deadline = loop.time() + timeout

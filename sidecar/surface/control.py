@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hmac
 import re
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -27,13 +28,15 @@ from pydantic import BaseModel, Field, field_validator
 
 from sidecar import __version__
 from sidecar.config import Settings
+from sidecar.core.observations import MaintenanceDeclared, MaintenanceOver, Observation
 from sidecar.runtime.health import Health
 from sidecar.surface.report import maintenance_body
 
 CONTROL_HOST = "127.0.0.1"
 _PRINTABLE = re.compile(r"[^\x00-\x1f\x7f]+")
 
-Submit = Callable[[Callable[[], None]], Awaitable[None]]
+# Hands an observation to the monitor's thread, the state's only writer, and waits for its step.
+Submit = Callable[[Observation], Awaitable[None]]
 
 
 class Window(BaseModel):
@@ -93,12 +96,12 @@ def create_control_app(settings: Settings, health: Health, submit: Submit) -> Fa
                 f"seconds {window.seconds:g}: longer than SIDECAR_MAINTENANCE_MAX "
                 f"({settings.maintenance_max:g})",
             )
-        await submit(lambda: health.start_maintenance(window.reason, window.seconds))
+        await submit(MaintenanceDeclared(window.reason, window.seconds, time.time()))
         return _window(health)
 
     @app.delete("/maintenance", dependencies=guard)
     async def delete_window() -> dict[str, Any]:
-        await submit(lambda: health.end_maintenance("ended through the control route"))
+        await submit(MaintenanceOver("ended through the control route"))
         return _window(health)
 
     return app
