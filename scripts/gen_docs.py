@@ -18,7 +18,8 @@ The sources, one for each fact:
   ``sidecar.core.verdict`` and its ``Rule``/``RULE_TEXT`` (tests/test_docs.py evaluates every row of
   the tables against the functions);
 - ``cli-help``, ``check-config``, ``probes``: what ``health-sidecar --help``, ``--check-config``
-  and ``probes`` print for ``config/vllm-aggregated.env``.
+  and ``probes`` print for ``config/vllm-aggregated.env``; ``probes-grpc``: what ``probes --grpc``
+  prints for it with ``SIDECAR_GRPC_PORT=50051``.
 """
 
 from __future__ import annotations
@@ -318,6 +319,22 @@ def probes() -> str:
     return f"```yaml\n# $ {command}\n{text}\n```"
 
 
+GRPC_PORT = "50051"  # the port of the probes-grpc example (and of Dynamo's gRPC probes, #14927)
+
+
+def probes_grpc() -> str:
+    from sidecar.tools.probes import render
+
+    with clean_environment():
+        settings = load_settings(str(ROOT / PROFILE), {"SIDECAR_GRPC_PORT": GRPC_PORT})
+    text = render(settings, 7200.0, grpc=True)
+    command = (
+        f"SIDECAR_GRPC_PORT={GRPC_PORT} health-sidecar --env-file {PROFILE} probes --grpc "
+        "--max-load-seconds 7200"
+    )
+    return f"```yaml\n# $ {command}\n{text}\n```"
+
+
 GENERATORS: dict[str, Callable[[], str]] = {
     "settings": settings_table,
     "policy": policy_section,
@@ -327,6 +344,7 @@ GENERATORS: dict[str, Callable[[], str]] = {
     "cli-help": cli_help,
     "check-config": check_config,
     "probes": probes,
+    "probes-grpc": probes_grpc,
 }
 
 

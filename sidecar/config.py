@@ -471,6 +471,17 @@ class Settings(BaseSettings):
         "a 200. Applies to built-in canaries only.",
         "true or false",
     )
+    grpc_port: int | None = _env(
+        "SIDECAR_GRPC_PORT",
+        None,
+        "Port of the gRPC health service (grpc.health.v1.Health, Check and Watch: the kubelet's "
+        "grpc probes), bound to DYN_SYSTEM_HOST as the HTTP server is. The service names '' and "
+        "readiness follow /health, liveness follows /live, an endpoint's name (generate) that "
+        "endpoint. Unset: no gRPC server.",
+        "an integer port from 1 to 65535",
+        ge=1,
+        le=65535,
+    )
     control_port: int | None = _env(
         "SIDECAR_CONTROL_PORT",
         None,
@@ -727,6 +738,12 @@ def _cross_checks(s: Settings) -> list[str]:
         lines.append(
             f"{env_name('control_port')}={s.control_port}: expected a port other than "
             f"{env_name('system_port')}'s (the control routes are never served to the pod network)"
+        )
+    if s.grpc_port is not None and s.grpc_port in (s.system_port, s.control_port):
+        taken = "system_port" if s.grpc_port == s.system_port else "control_port"
+        lines.append(
+            f"{env_name('grpc_port')}={s.grpc_port}: expected a port other than "
+            f"{env_name(taken)}'s (the gRPC health service has a port of its own)"
         )
     if s.control_token is not None and s.control_port is None:
         lines.append(

@@ -357,6 +357,16 @@ def kind_of(name: str) -> Kind | None:
             st.integers(1, 65535).filter(lambda p: p != 9090).map(str),
             parsed=int,
         ),
+        "SIDECAR_GRPC_PORT": lambda: Kind(
+            st.one_of(
+                st.integers(max_value=0).map(str),
+                st.integers(min_value=65536).map(str),
+                st.just("9090"),  # DYN_SYSTEM_PORT's default: the HTTP server's port
+                SAFE_NAME.filter(lambda v: not v.isdigit()),
+            ),
+            st.integers(1, 65535).filter(lambda p: p != 9090).map(str),
+            parsed=int,
+        ),
         "SIDECAR_DP_RANKS": lambda: Kind(
             st.one_of(
                 st.integers(max_value=0).map(str),

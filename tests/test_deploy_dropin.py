@@ -170,6 +170,42 @@ def test_component_on_the_example_deployment(monkeypatch, tmp_path: Path):
     validate_strict(docs, tmp_path)
 
 
+def test_grpc_example_probes_the_grpc_health_service(monkeypatch, tmp_path: Path):
+    """The example whose engine probes are kubelet grpc probes: exactly what `probes --grpc`
+    prints for its sidecar's settings, on the port the sidecar declares; valid Kubernetes."""
+    docs = build(EXAMPLES / "grpc-probes")
+    (deployment,) = [d for d in docs if d["kind"] == "Deployment"]
+    spec = deployment["spec"]["template"]["spec"]
+    sidecar = only(spec["initContainers"], SIDECAR)
+    assert_sidecar_secure(sidecar)
+    (ref,) = sidecar["envFrom"]
+    (cm,) = [
+        d
+        for d in docs
+        if d["kind"] == "ConfigMap" and d["metadata"]["name"] == ref["configMapRef"]["name"]
+    ]
+    settings = settings_from_env(cm["data"], monkeypatch)
+    assert settings.grpc_port is not None
+    ports = [p["containerPort"] for p in sidecar["ports"]]
+    assert settings.grpc_port in ports
+    assert settings.system_port in ports
+    engine = spec["containers"][0]
+    expected = yaml.safe_load(render(settings, MAX_LOAD_SECONDS, grpc=True))
+    services = {"startupProbe": "readiness", "livenessProbe": "liveness"}
+    for name in PROBES:
+        assert engine[name] == expected[name], name
+        assert "httpGet" not in engine[name], name
+        want = {"port": settings.grpc_port, "service": services.get(name, "readiness")}
+        assert engine[name]["grpc"] == want, name
+    # The same numbers as the httpGet probes.
+    http = expected_probes(settings)
+    for name in PROBES:
+        assert {k: v for k, v in engine[name].items() if k != "grpc"} == {
+            k: v for k, v in http[name].items() if k != "httpGet"
+        }, name
+    validate_strict(docs, tmp_path)
+
+
 def test_component_on_any_deployment(monkeypatch, tmp_path: Path):
     """A Deployment with its own init container, a second container and another engine name."""
     app = tmp_path / "app"

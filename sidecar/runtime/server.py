@@ -38,6 +38,7 @@ from sidecar.runtime.requestplane.client import RequestPlane
 from sidecar.runtime.requestplane.worker import DynamoWorker
 from sidecar.surface.app import create_app
 from sidecar.surface.control import CONTROL_HOST, create_control_app
+from sidecar.surface.grpchealth import GrpcHealth
 from sidecar.surface.history import History
 from sidecar.surface.metrics import Metrics
 
@@ -296,18 +297,19 @@ class _Started:
     monitor: asyncio.Future[None]
     http: asyncio.Task[None]
     control: asyncio.Task[None] | None
+    grpc: asyncio.Task[None] | None = None
 
     def watched(self) -> set[asyncio.Future[None]]:
         tasks: set[asyncio.Future[None]] = {self.monitor, self.http}
-        if self.control is not None:
-            tasks.add(self.control)
+        tasks |= {t for t in (self.control, self.grpc) if t is not None}
         return tasks
 
 
 class Sidecar:
     """The process's lifecycle: startup, run until a signal or a failure, shutdown.
 
-    It owns the HTTP server, the control server (when a port is set) and the monitor's thread.
+    It owns the HTTP server, the control server and the gRPC health server (each when its port
+    is set) and the monitor's thread.
     Signals arrive on this event loop, one method each (``handle_term``, ``handle_int``); they
     only ask the servers to exit or start the drain. The state is written only on the monitor's
     thread; this side reads its snapshots.
@@ -322,7 +324,13 @@ class Sidecar:
         if settings.control_port is not None:
             app = create_control_app(settings, self.parts.health, self.monitor.submit)
             self.control = _server(app, CONTROL_HOST, settings.control_port, grace=1)
-        self.servers = [self.server] if self.control is None else [self.server, self.control]
+        # The gRPC health service (SIDECAR_GRPC_PORT) listens where the HTTP server does.
+        self.grpc: GrpcHealth | None = None
+        if settings.grpc_port is not None:
+            self.grpc = GrpcHealth(self.parts.health, settings.system_host, settings.grpc_port)
+        self.servers: list[_Server | GrpcHealth] = [
+            s for s in (self.server, self.control, self.grpc) if s is not None
+        ]
         self.drain_task: asyncio.Task[None] | None = None  # set by the first SIGTERM only
 
     async def serve(self) -> int:
@@ -350,7 +358,8 @@ class Sidecar:
             if self.control is not None
             else None
         )
-        return _Started(monitor, http, control)
+        grpc = asyncio.create_task(self.grpc.serve(), name="grpc") if self.grpc else None
+        return _Started(monitor, http, control, grpc)
 
     async def run(self, started: _Started) -> int:
         """Wait for the first of the monitor and the servers to end (a signal ends the servers),
@@ -361,6 +370,8 @@ class Sidecar:
         await started.http
         if started.control is not None:
             await started.control
+        if started.grpc is not None:
+            await started.grpc
         return code
 
     def _exit_code(self, started: _Started, done: set[asyncio.Future[None]]) -> int:

@@ -37,6 +37,12 @@ def _parser() -> argparse.ArgumentParser:
         metavar="S",
         help="with probes: the longest the engine may take to load its model (default 7200)",
     )
+    parser.add_argument(
+        "--grpc",
+        action="store_true",
+        help="with probes: kubelet grpc probes on the gRPC health service (SIDECAR_GRPC_PORT) "
+        "instead of httpGet",
+    )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     parser.add_argument(
         "--env-file",
@@ -84,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         from sidecar.tools.probes import render as render_probes
 
         try:
-            print(render_probes(settings, args.max_load_seconds))
+            print(render_probes(settings, args.max_load_seconds, grpc=args.grpc))
         except ValueError as exc:
             print(f"health-sidecar: {exc}", file=sys.stderr)
             return EXIT_CONFIG

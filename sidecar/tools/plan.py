@@ -270,5 +270,17 @@ def render(settings: Settings) -> str:
         f"gone or {s.drain_timeout:g} s have passed; then exit 0",
         f"serving        http://{s.system_host}:{s.system_port}  {s.health_path} (readiness)  "
         f"{s.live_path} (liveness)  /metrics  /sidecar/live (the sidecar's own probe)",
+        _grpc_line(plan, s),
     ]
     return "\n".join(lines)
+
+
+def _grpc_line(plan: CanaryPlan, s: Settings) -> str:
+    if s.grpc_port is None:
+        return "grpc           no gRPC health service (SIDECAR_GRPC_PORT unset)"
+    endpoints = [plan.endpoint, *(["kv_transfer"] if s.kv_peer_url is not None else [])]
+    return (
+        f"grpc           grpc.health.v1.Health (Check, Watch) on {s.system_host}:{s.grpc_port}: "
+        f"'' and readiness as {s.health_path}, liveness as {s.live_path}, "
+        f"{', '.join(endpoints)} as its endpoint in {s.health_path}"
+    )

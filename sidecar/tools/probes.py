@@ -18,6 +18,9 @@ are headroom for a starved node, never time given to the engine.
 
 :func:`size` computes the numbers and the arithmetic behind them (pure, tested);
 :func:`render` prints them as a YAML fragment (written by PyYAML) with a comment on each number.
+With ``grpc`` (``probes --grpc``) the same probes are kubelet ``grpc:`` probes on the gRPC health
+service (SIDECAR_GRPC_PORT): service ``readiness`` for startup and readiness (as /health),
+``liveness`` for liveness (as /live), with the same numbers.
 """
 
 from __future__ import annotations
@@ -25,12 +28,14 @@ from __future__ import annotations
 import math
 import textwrap
 from dataclasses import dataclass
+from typing import Any
 
 import yaml
 
 from sidecar.config import DiscoveryBackend, Settings, Transport
 from sidecar.probes import plan_canary
 from sidecar.runtime.health import policy_from
+from sidecar.surface.grpchealth import LIVENESS, READINESS
 
 READINESS_TARGET_SECONDS = 30.0
 """A hung engine leaves rotation within this many seconds (when the settings allow it)."""
@@ -148,11 +153,48 @@ def _comment(text: str, indent: str = "") -> list[str]:
     return textwrap.wrap(text, WIDTH, initial_indent=prefix, subsequent_indent=prefix)
 
 
+@dataclass(frozen=True)
+class Target:
+    """What the probes ask: the HTTP routes (``httpGet``), or the gRPC health service's services
+    (``grpc``); and how the text names the answers."""
+
+    port: int
+    grpc: bool
+    ready: str  # what the startup and readiness probes ask, as the comments name it
+    live: str
+    ok: str  # a passing answer
+    bad: str  # a failing readiness answer
+
+    def action(self, path: str, service: str) -> dict[str, Any]:
+        if self.grpc:
+            return {"grpc": {"port": self.port, "service": service}}
+        return {"httpGet": {"path": path, "port": self.port}}
+
+
+def target(settings: Settings, grpc: bool = False) -> Target:
+    """The HTTP routes, or (``grpc``) the gRPC health service: ValueError when it is off."""
+    s = settings
+    if not grpc:
+        return Target(s.system_port, False, s.health_path, s.live_path, "200", "503")
+    if s.grpc_port is None:
+        raise ValueError(
+            "--grpc: expected SIDECAR_GRPC_PORT set (the gRPC health service is off without it)"
+        )
+    return Target(
+        s.grpc_port,
+        True,
+        f'gRPC service "{READINESS}"',
+        f'gRPC service "{LIVENESS}"',
+        "SERVING",
+        "NOT_SERVING",
+    )
+
+
 def _probe(
     key: str,
     why: str,
     probe: Probe,
-    port: int,
+    action: dict[str, Any],
     notes: dict[str, str],
     extra: tuple[tuple[str, int, str], ...] = (),
 ) -> list[str]:
@@ -164,7 +206,7 @@ def _probe(
         ("failureThreshold", probe.failures, notes.get("failureThreshold", "")),
         *extra,
     ]
-    data = {"httpGet": {"path": probe.path, "port": port}} | {n: v for n, v, _ in fields}
+    data = action | {n: v for n, v, _ in fields}
     dumped = yaml.safe_dump({key: data}, sort_keys=False, width=1 << 16).splitlines()
     comments = {f"  {name}: ": note for name, _, note in fields if note}
     lines = [dumped[0], *_comment(why, "  ")]
@@ -178,8 +220,10 @@ def _probe(
     return lines
 
 
-def render(settings: Settings, max_load_seconds: float) -> str:
-    """The engine container's probes as a YAML fragment with the arithmetic in comments."""
+def render(settings: Settings, max_load_seconds: float, grpc: bool = False) -> str:
+    """The engine container's probes as a YAML fragment with the arithmetic in comments;
+    ``grpc``: as ``grpc:`` probes on the gRPC health service (ValueError when it is off)."""
+    t = target(settings, grpc)
     z = size(settings, max_load_seconds)
     s = settings
     role = f"backend {s.backend}, mode {s.disaggregation_mode}, model type {s.model_type}"
@@ -190,8 +234,9 @@ def render(settings: Settings, max_load_seconds: float) -> str:
     lines = _comment(
         f"Probes for the engine container (paste them under it, not under the sidecar: a "
         f"liveness failure restarts only the container whose probe failed). They target the "
-        f"health-sidecar on port {z.port} of the same pod, which answers from memory. Sized by "
-        f"`health-sidecar probes --max-load-seconds {_secs(z.max_load)}` for {role}, {canary}."
+        f"health-sidecar on port {t.port} of the same pod, which answers from memory. Sized by "
+        f"`health-sidecar probes --max-load-seconds {_secs(z.max_load)}"
+        f"{' --grpc' if grpc else ''}` for {role}, {canary}."
     )
     if s.system_host not in BIND_ALL:
         lines += _comment(
@@ -214,11 +259,11 @@ def render(settings: Settings, max_load_seconds: float) -> str:
     ready_what = "the model is loaded and a canary passed" if z.canary else "the model is loaded"
     lines += _probe(
         "startupProbe",
-        f"{s.health_path} is 200 once {ready_what}. Liveness and readiness wait for it, so a "
+        f"{t.ready} is {t.ok} once {ready_what}. Liveness and readiness wait for it, so a "
         f"load of up to {_secs(z.max_load)} s is never taken for a hang; after it, liveness "
         "takes over.",
         st,
-        z.port,
+        t.action(st.path, READINESS),
         {
             "timeoutSeconds": "answered from memory; headroom for a busy node",
             "failureThreshold": f"restarted only after {st.failures - 1} x {st.period} s = "
@@ -245,12 +290,12 @@ def render(settings: Settings, max_load_seconds: float) -> str:
     )
     lines += _probe(
         "livenessProbe",
-        f"{s.live_path} fails only after {_secs(s.liveness_window)} s of uninterrupted hard "
+        f"{t.live} fails only after {_secs(s.liveness_window)} s of uninterrupted hard "
         f"failure (the engine accepts connections but does not answer in time, or answers "
         f"5xx{orphan}); never while it loads, {busy}, or while it refuses connections; "
         f"{restart}.",
         lv,
-        z.port,
+        t.action(lv.path, LIVENESS),
         {
             "failureThreshold": f"failures span {_secs(z.liveness_tolerance)} s: a sidecar "
             "restart does not restart the engine",
@@ -259,7 +304,7 @@ def render(settings: Settings, max_load_seconds: float) -> str:
     )
     if z.canary:
         detect = (
-            f"{s.health_path} turns 503 within {_secs(z.hang_to_notready)} s of a hang "
+            f"{t.ready} turns {t.bad} within {_secs(z.hang_to_notready)} s of a hang "
             f"({_secs(s.canary_wait_time)} s wait + {_secs(s.retry_interval)} s retry + "
             f"{s.failure_threshold - 1} x {_secs(max(s.retry_interval, s.request_timeout))} s + "
             f"{_secs(s.request_timeout)} s timeout: {s.failure_threshold} failed canaries) and "
@@ -267,12 +312,12 @@ def render(settings: Settings, max_load_seconds: float) -> str:
         )
         if z.stall_to_notready is not None:
             detect += (
-                f" Under load, when the engine publishes its metrics, {s.health_path} turns 503 "
+                f" Under load, when the engine publishes its metrics, {t.ready} turns {t.bad} "
                 f"within {_secs(z.stall_to_notready)} s of its counters stopping."
             )
     else:
         detect = (
-            f"{s.health_path} follows the engine's own health route (no canary): 503 within "
+            f"{t.ready} follows the engine's own health route (no canary): {t.bad} within "
             f"{_secs(z.hang_to_notready)} s of it failing or refusing. A hang behind a 200 "
             "health route is not seen without a canary."
         )
@@ -285,7 +330,7 @@ def render(settings: Settings, max_load_seconds: float) -> str:
         "readinessProbe",
         detect,
         rd,
-        z.port,
+        t.action(rd.path, READINESS),
         {
             "failureThreshold": f"out of rotation within {_secs(z.hang_to_notready)} + "
             f"{rd.failures} x {rd.period} = {_secs(z.hang_to_unready)} s",
