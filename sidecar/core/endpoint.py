@@ -51,6 +51,13 @@ class EndpointState:
         return self.registration.incarnation
 
 
+def proves_anew(ep: EndpointState, at: float) -> CanaryState:
+    """A fresh canary source: the engine proves itself anew (a new incarnation, back in
+    discovery, resumed from a pause, a rank of its own), its first canary due at ``at`` once it
+    is registered and its role has one."""
+    return CanaryState(next_due=at if ep.registration.registered and ep.has_canary else None)
+
+
 def apply_registration(ep: EndpointState, result: Result, policy: Policy) -> EndpointState:
     registration = on_registration(
         ep.registration,
@@ -62,11 +69,10 @@ def apply_registration(ep: EndpointState, result: Result, policy: Policy) -> End
     new_incarnation = registration.incarnation != ep.incarnation
     dropped = bool(ep.registration.registered) and not registration.registered
     if new_incarnation or dropped:
-        due = result.finished if registration.registered and ep.has_canary else None
+        ep = replace(ep, registration=registration)
         return replace(
             ep,
-            registration=registration,
-            canary=CanaryState(next_due=due),
+            canary=proves_anew(ep, result.finished),
             progress=ProgressState(),
             # The sleep state of an engine that left is unknown; a declared window stands.
             lifecycle=lifecycle.new_incarnation(ep.lifecycle),
@@ -84,7 +90,7 @@ def apply_discovery(
     after = on_discovery(before, listed, instance, at, where)
     canary = ep.canary
     if after.listed and before.listed is False and before.instance == after.instance:
-        canary = CanaryState(next_due=at if ep.registration.registered else None)
+        canary = proves_anew(ep, at)
     return replace(ep, discovery=after, canary=canary)
 
 
@@ -106,7 +112,7 @@ def apply_lifecycle(ep: EndpointState, after: LifecycleState, at: float) -> Endp
     if after.paused:
         canary = CanaryState(reason="paused: no canary is sent")
     else:
-        canary = CanaryState(next_due=at if ep.registration.registered else None)
+        canary = proves_anew(ep, at)
     return replace(ep, lifecycle=after, canary=canary)
 
 

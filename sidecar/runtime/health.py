@@ -17,9 +17,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import replace
 
 from sidecar.config import Settings
-from sidecar.core.endpoint import EndpointState
+from sidecar.core.endpoint import EndpointState, proves_anew
 from sidecar.core.events import Event, note
-from sidecar.core.evidence.canary import CanaryState
 from sidecar.core.evidence.policy import Policy
 from sidecar.core.observations import Observation
 from sidecar.core.snapshot import Snapshot, liveness_of, readiness_of, rebuilt
@@ -122,14 +121,13 @@ class Health:
                 continue
             for rank in range(ranks):
                 ranked = plan.for_rank(rank)
-                due = now if before.registration.registered and ranked.enabled else None
                 plans[ranked.unit] = ranked
-                endpoints[ranked.unit] = replace(
+                fresh = replace(
                     EndpointState(ranked.unit, ranked.enabled, ranked.why),
                     registration=before.registration,
                     lifecycle=before.lifecycle,
-                    canary=CanaryState(next_due=due),
                 )
+                endpoints[ranked.unit] = replace(fresh, canary=proves_anew(fresh, now))
                 models[ranked.unit] = snap.models.get(unit)
         self.plans = plans
         layout = replace(

@@ -34,8 +34,9 @@ from sidecar.core.endpoint import EndpointState
 from sidecar.core.events import Event
 from sidecar.core.events import Kind as EventKind
 from sidecar.core.evidence.result import Outcome
+from sidecar.core.snapshot import Snapshot, liveness_of, readiness_of
 from sidecar.core.verdict import clocks, engine_disagrees
-from sidecar.runtime.health import Health, Snapshot, liveness_of, readiness_of
+from sidecar.runtime.health import Health
 
 PREFIX = "health_sidecar"
 

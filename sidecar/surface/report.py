@@ -13,8 +13,8 @@ from sidecar.config import StartingStatus
 from sidecar.core.endpoint import EndpointState, parked, suspected
 from sidecar.core.evidence.lifecycle import Maintenance
 from sidecar.core.evidence.transfers import WINDOW
+from sidecar.core.snapshot import Snapshot, liveness_of, readiness_of
 from sidecar.core.verdict import HEARTBEAT_STALE, RULE_TEXT, engine_disagrees, engine_undersells
-from sidecar.runtime.health import Snapshot, liveness_of, readiness_of
 
 
 def iso(wall: float) -> str:

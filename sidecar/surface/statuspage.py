@@ -15,7 +15,7 @@ from typing import Any
 
 from sidecar import __version__
 from sidecar.config import Settings
-from sidecar.runtime.health import Snapshot
+from sidecar.core.snapshot import Snapshot
 from sidecar.surface.history import Canary, Change, History, View, scrub
 from sidecar.surface.report import health_body, iso, live_body
 
