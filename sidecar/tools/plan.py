@@ -173,95 +173,18 @@ def _dynamo_lines(plan: CanaryPlan, s: Settings) -> list[str]:
 
 
 def render(settings: Settings) -> str:
+    """What ``--check-config`` prints: what the sidecar will do with this configuration."""
     plan = plan_canary(settings)
-    registration = settings.registration_path or plan.prober.registration_path
     s = settings
-    dynamo = s.transport is Transport.DYNAMO
     lines = [
         "health-sidecar: configuration is valid",
         "",
-        f"engine         {s.engine_url}  (backend {s.backend}, mode {s.disaggregation_mode}, "
-        f"model type {s.model_type})",
-        "engine auth    "
-        + ("bearer token from SIDECAR_ENGINE_API_KEY" if s.engine_api_key else "none"),
-        *(
-            _dynamo_lines(plan, s)
-            if dynamo
-            else [
-                f"registration   GET {registration} every {s.registration_interval:g} s, timeout "
-                f"{s.request_timeout:g} s: registered while it answers 200"
-            ]
-        ),
+        *_engine_lines(plan, s),
         "",
         f"endpoint {plan.endpoint}",
-    ]
-    if plan.enabled:
-        if s.model:
-            model = f"{s.model} (SIDECAR_MODEL)"
-        elif plan.override is None and plan.prober.needs_model:
-            model = "discovered from GET /v1/models at each registration"
-        else:
-            model = "not needed"
-        lines += [
-            f"  canary       yes: {plan.why}",
-            f"  model        {model}",
-            *(
-                [
-                    f"  request      over the request plane, direct to the instance of {plan.path}"
-                    " (never a frontend or router)",
-                    f"  payload      {json.dumps(_example_body(plan, s))}",
-                    "  context      id canary-<uuid>; stopped on the worker when it times out",
-                ]
-                if dynamo
-                else [
-                    f"  request      {'POST'} {plan.path}",
-                    f"  body         {json.dumps(_example_body(plan, s))}",
-                    "  headers      X-Request-Id: canary-<uuid>",
-                ]
-            ),
-            f"  passes when  {_passes_when(plan, s)}",
-            f"  schedule     once registered; then after {s.canary_wait_time:g} s without a passed "
-            f"canary; every {s.retry_interval:g} s while failing or unproven; one at a time",
-            f"  hysteresis   notready after {s.failure_threshold} consecutive failure(s); ready "
-            f"after {s.success_threshold} consecutive pass(es)",
-            "  answer       "
-            + (
-                "checked (SIDECAR_CANARY_CHECK_ANSWER): the first answer after registering or "
-                "resuming is the reference; a different one fails the canary as 'wrong answer'"
-                if s.check_answer and plan.override is None
-                else "not checked (SIDECAR_CANARY_CHECK_ANSWER="
-                + (
-                    "true, but a user payload has no reference answer)"
-                    if s.check_answer
-                    else "false)"
-                )
-            ),
-            "  ready when   registered and the canary's verdict is ready",
-        ]
-    else:
-        when = (
-            "registered (the system server names the instance)"
-            if dynamo
-            else f"registered (GET {registration} answers 200)"
-        )
-        lines += [f"  canary       no: {plan.why}", f"  ready when   {when}"]
-    listed = s.use_endpoint_health_status
-    rule = Rule.LISTED if listed else Rule.MONITORED
-    lines += [
+        *(_canary_lines(plan, s) if plan.enabled else _no_canary_lines(plan, s)),
         "",
-        f"readiness      {RULE_TEXT[rule]}"
-        + (f" ({', '.join(listed)})" if listed else f" ({plan.endpoint})"),
-        f"               before an endpoint's first verdict: {s.starting_health_status} "
-        "(DYN_SYSTEM_STARTING_HEALTH_STATUS)",
-        f"liveness       fails after {s.liveness_window:g} s on one clock: registration timing "
-        "out (a role without a canary), canary failing hard (timeouts, 5xx), a confirmed "
-        + (
-            "stall, or an instance gone from discovery; never while"
-            if dynamo
-            else "stall; never while"
-        )
-        + " the engine answers its health route with non-200, refuses "
-        "connections, or rejects a canary that never passed (4xx)",
+        *_verdict_lines(plan, s),
         *_progress_lines(plan, s),
         *_lifecycle_lines(plan, s),
         *_rank_lines(plan, s),
@@ -273,6 +196,99 @@ def render(settings: Settings) -> str:
         _grpc_line(plan, s),
     ]
     return "\n".join(lines)
+
+
+def _registration_path(plan: CanaryPlan, s: Settings) -> str:
+    return s.registration_path or plan.prober.registration_path
+
+
+def _engine_lines(plan: CanaryPlan, s: Settings) -> list[str]:
+    """The engine, how the sidecar reaches it and how it checks it is registered."""
+    auth = "bearer token from SIDECAR_ENGINE_API_KEY" if s.engine_api_key else "none"
+    lines = [
+        f"engine         {s.engine_url}  (backend {s.backend}, mode {s.disaggregation_mode}, "
+        f"model type {s.model_type})",
+        f"engine auth    {auth}",
+    ]
+    if s.transport is Transport.DYNAMO:
+        return lines + _dynamo_lines(plan, s)
+    every = f"every {s.registration_interval:g} s, timeout {s.request_timeout:g} s"
+    path = _registration_path(plan, s)
+    return [*lines, f"registration   GET {path} {every}: registered while it answers 200"]
+
+
+def _canary_lines(plan: CanaryPlan, s: Settings) -> list[str]:
+    """The endpoint's canary: what is sent, when it passes, its schedule and hysteresis."""
+    if s.model:
+        model = f"{s.model} (SIDECAR_MODEL)"
+    elif plan.override is None and plan.prober.needs_model:
+        model = "discovered from GET /v1/models at each registration"
+    else:
+        model = "not needed"
+    if s.transport is Transport.DYNAMO:
+        request = [
+            f"  request      over the request plane, direct to the instance of {plan.path}"
+            " (never a frontend or router)",
+            f"  payload      {json.dumps(_example_body(plan, s))}",
+            "  context      id canary-<uuid>; stopped on the worker when it times out",
+        ]
+    else:
+        request = [
+            f"  request      POST {plan.path}",
+            f"  body         {json.dumps(_example_body(plan, s))}",
+            "  headers      X-Request-Id: canary-<uuid>",
+        ]
+    if s.check_answer and plan.override is None:
+        answer = (
+            "checked (SIDECAR_CANARY_CHECK_ANSWER): the first answer after registering or "
+            "resuming is the reference; a different one fails the canary as 'wrong answer'"
+        )
+    elif s.check_answer:
+        answer = "not checked (SIDECAR_CANARY_CHECK_ANSWER=true, but a user payload has no "
+        answer += "reference answer)"
+    else:
+        answer = "not checked (SIDECAR_CANARY_CHECK_ANSWER=false)"
+    return [
+        f"  canary       yes: {plan.why}",
+        f"  model        {model}",
+        *request,
+        f"  passes when  {_passes_when(plan, s)}",
+        f"  schedule     once registered; then after {s.canary_wait_time:g} s without a passed "
+        f"canary; every {s.retry_interval:g} s while failing or unproven; one at a time",
+        f"  hysteresis   notready after {s.failure_threshold} consecutive failure(s); ready "
+        f"after {s.success_threshold} consecutive pass(es)",
+        f"  answer       {answer}",
+        "  ready when   registered and the canary's verdict is ready",
+    ]
+
+
+def _no_canary_lines(plan: CanaryPlan, s: Settings) -> list[str]:
+    if s.transport is Transport.DYNAMO:
+        when = "registered (the system server names the instance)"
+    else:
+        when = f"registered (GET {_registration_path(plan, s)} answers 200)"
+    return [f"  canary       no: {plan.why}", f"  ready when   {when}"]
+
+
+def _verdict_lines(plan: CanaryPlan, s: Settings) -> list[str]:
+    """The worker's readiness rule and its liveness clocks."""
+    listed = s.use_endpoint_health_status
+    rule = Rule.LISTED if listed else Rule.MONITORED
+    counted = f" ({', '.join(listed)})" if listed else f" ({plan.endpoint})"
+    gone = (
+        "stall, or an instance gone from discovery; never while"
+        if s.transport is Transport.DYNAMO
+        else "stall; never while"
+    )
+    return [
+        f"readiness      {RULE_TEXT[rule]}{counted}",
+        f"               before an endpoint's first verdict: {s.starting_health_status} "
+        "(DYN_SYSTEM_STARTING_HEALTH_STATUS)",
+        f"liveness       fails after {s.liveness_window:g} s on one clock: registration timing "
+        f"out (a role without a canary), canary failing hard (timeouts, 5xx), a confirmed {gone}"
+        " the engine answers its health route with non-200, refuses "
+        "connections, or rejects a canary that never passed (4xx)",
+    ]
 
 
 def _grpc_line(plan: CanaryPlan, s: Settings) -> str:

@@ -225,25 +225,40 @@ def render(settings: Settings, max_load_seconds: float, grpc: bool = False) -> s
     ``grpc``: as ``grpc:`` probes on the gRPC health service (ValueError when it is off)."""
     t = target(settings, grpc)
     z = size(settings, max_load_seconds)
-    s = settings
+    return "\n".join(
+        [
+            *_header(settings, z, t),
+            *_startup(z, t),
+            *_liveness(settings, z, t),
+            *_readiness(settings, z, t),
+        ]
+    )
+
+
+def _dynamo(s: Settings) -> bool:
+    return s.transport is Transport.DYNAMO
+
+
+def _header(s: Settings, z: Sizing, t: Target) -> list[str]:
+    """Where the probes go and what sized them, and a warning for each setting that defeats
+    them."""
     role = f"backend {s.backend}, mode {s.disaggregation_mode}, model type {s.model_type}"
     canary = "canary on" if z.canary else "no canary"
-    dynamo = s.transport is Transport.DYNAMO
-    if dynamo and z.canary:
+    if _dynamo(s) and z.canary:
         canary += ", over Dynamo's request plane to the worker instance of this pod"
     lines = _comment(
         f"Probes for the engine container (paste them under it, not under the sidecar: a "
         f"liveness failure restarts only the container whose probe failed). They target the "
         f"health-sidecar on port {t.port} of the same pod, which answers from memory. Sized by "
         f"`health-sidecar probes --max-load-seconds {_secs(z.max_load)}"
-        f"{' --grpc' if grpc else ''}` for {role}, {canary}."
+        f"{' --grpc' if t.grpc else ''}` for {role}, {canary}."
     )
     if s.system_host not in BIND_ALL:
         lines += _comment(
             f"WARNING: DYN_SYSTEM_HOST={s.system_host}: the kubelet probes the pod IP, so the "
             "sidecar must bind 0.0.0.0 for these probes to reach it."
         )
-    if dynamo and s.system_port == DYNAMO_SYSTEM_PORT:
+    if _dynamo(s) and s.system_port == DYNAMO_SYSTEM_PORT:
         lines += _comment(
             f"WARNING: DYN_SYSTEM_PORT={s.system_port} is the Dynamo worker's own system port "
             "under the operator: give the sidecar another (9091)."
@@ -254,10 +269,13 @@ def render(settings: Settings, max_load_seconds: float, grpc: bool = False) -> s
             f"above the {_secs(READINESS_TARGET_SECONDS)} s target: lower DYN_CANARY_WAIT_TIME, "
             "DYN_HEALTH_CHECK_REQUEST_TIMEOUT or SIDECAR_FAILURE_THRESHOLD."
         )
+    return lines
 
-    st, lv, rd = z.startup, z.liveness, z.readiness
+
+def _startup(z: Sizing, t: Target) -> list[str]:
+    st = z.startup
     ready_what = "the model is loaded and a canary passed" if z.canary else "the model is loaded"
-    lines += _probe(
+    return _probe(
         "startupProbe",
         f"{t.ready} is {t.ok} once {ready_what}. Liveness and readiness wait for it, so a "
         f"load of up to {_secs(z.max_load)} s is never taken for a hang; after it, liveness "
@@ -271,6 +289,10 @@ def render(settings: Settings, max_load_seconds: float, grpc: bool = False) -> s
             f"{_secs(z.load_to_ready)} s to ready",
         },
     )
+
+
+def _liveness(s: Settings, z: Sizing, t: Target) -> list[str]:
+    lv = z.liveness
     if z.canary:
         restart = (
             f"a hung engine is restarted within {_secs(z.hang_to_restart)} s "
@@ -285,10 +307,10 @@ def render(settings: Settings, max_load_seconds: float, grpc: bool = False) -> s
     busy = "while canaries still pass however busy it is" if z.canary else "while it is busy"
     orphan = (
         ", or its instance gone from discovery while it answers (an orphaned worker)"
-        if dynamo and s.discovery_backend is not DiscoveryBackend.KUBERNETES
+        if _dynamo(s) and s.discovery_backend is not DiscoveryBackend.KUBERNETES
         else ""
     )
-    lines += _probe(
+    return _probe(
         "livenessProbe",
         f"{t.live} fails only after {_secs(s.liveness_window)} s of uninterrupted hard "
         f"failure (the engine accepts connections but does not answer in time, or answers "
@@ -302,6 +324,10 @@ def render(settings: Settings, max_load_seconds: float, grpc: bool = False) -> s
         },
         (("terminationGracePeriodSeconds", LIVENESS_GRACE, "a hung engine drains nothing"),),
     )
+
+
+def _readiness(s: Settings, z: Sizing, t: Target) -> list[str]:
+    rd = z.readiness
     if z.canary:
         detect = (
             f"{t.ready} turns {t.bad} within {_secs(z.hang_to_notready)} s of a hang "
@@ -321,12 +347,12 @@ def render(settings: Settings, max_load_seconds: float, grpc: bool = False) -> s
             f"{_secs(z.hang_to_notready)} s of it failing or refusing. A hang behind a 200 "
             "health route is not seen without a canary."
         )
-    if dynamo:
+    if _dynamo(s):
         detect += (
             " Under Dynamo's Kubernetes discovery a pod that is not Ready leaves the Frontend's "
             "routing; under etcd, readiness gates rollouts and Services only."
         )
-    lines += _probe(
+    return _probe(
         "readinessProbe",
         detect,
         rd,
@@ -337,4 +363,3 @@ def render(settings: Settings, max_load_seconds: float, grpc: bool = False) -> s
         },
         (("successThreshold", 1, "ready as soon as the sidecar says so"),),
     )
-    return "\n".join(lines)
