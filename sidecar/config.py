@@ -409,14 +409,15 @@ class Settings(BaseSettings):
         ge=1024,
         le=64 * 1_048_576,
     )
-    dp_ranks: int | Literal["auto"] = _env(
+    dp_ranks: int | Literal["auto"] | None = _env(
         "SIDECAR_DP_RANKS",
-        1,
+        None,
         "Data-parallel ranks of the engine (vLLM --data-parallel-size, SGLang --dp-size): each "
         "gets its own canary pinned to it (vLLM's X-data-parallel-rank header, SGLang's "
         "data_parallel_rank field), its own progress (vLLM's engine label, SGLang's dp_rank) and "
         "its own line in /health. auto: counted from the ranks the engine's in-flight gauges name "
-        "(the same labels); until then one unpinned canary.",
+        "(the same labels), again after each restart; until then one unpinned canary. Unset: auto "
+        "for vllm and sglang over HTTP, else 1. 1 turns the count off.",
         "an integer from 1 to 1024, or auto",
     )
     dp_min_ready_ranks: int | None = _env(
@@ -516,7 +517,7 @@ class Settings(BaseSettings):
     @classmethod
     def _ranks(cls, value: Any) -> Any:
         text = value.strip() if isinstance(value, str) else value
-        if text == "auto":
+        if text is None or text == "auto":
             return text
         if isinstance(text, str) and text.isdigit():
             text = int(text)
@@ -572,6 +573,15 @@ class Settings(BaseSettings):
         if isinstance(value, str):
             return MODE_ALIASES.get(value, value)
         return value
+
+    @property
+    def ranks(self) -> int | Literal["auto"]:
+        """SIDECAR_DP_RANKS as it applies: unset is auto where the engine's metrics tell the
+        ranks apart and a canary can be pinned to one (vllm, sglang over HTTP), else 1."""
+        if self.dp_ranks is not None:
+            return self.dp_ranks
+        counts = self.backend in (Backend.VLLM, Backend.SGLANG)
+        return "auto" if counts and self.transport is Transport.HTTP else 1
 
     @property
     def effective_stall_window(self) -> float:
@@ -704,7 +714,7 @@ def _cross_checks(s: Settings) -> list[str]:
                 f"{RESERVED_ROUTES[path]}"
             )
     pins = s.backend in (Backend.VLLM, Backend.SGLANG)
-    if s.dp_ranks != 1 and not pins:
+    if s.dp_ranks not in (None, 1) and not pins:
         lines.append(
             f"{env_name('dp_ranks')}={s.dp_ranks}: expected 1 ({s.backend} cannot pin a request "
             "to a data-parallel rank, so ranks cannot be told apart)"
@@ -798,7 +808,7 @@ def _transport_checks(s: Settings) -> list[str]:
             f"{', '.join(b.value for b in DYNAMO_BACKENDS)} with {name}=dynamo (the Dynamo "
             "worker's backend decides its canary payload)"
         )
-    if s.dp_ranks != 1:
+    if s.dp_ranks not in (None, 1):
         lines.append(
             f"{env_name('dp_ranks')}={s.dp_ranks}: expected 1 with {name}=dynamo (a Dynamo "
             "worker's ranks are not pinned over its request plane)"

@@ -25,12 +25,9 @@ from sidecar.tools.probes import size
 
 VLLM_METRICS = """\
 vllm:num_requests_running{engine="0",model_name="tiny"} 0.0
-vllm:num_requests_running{engine="1",model_name="tiny"} 0.0
 vllm:num_requests_waiting{engine="0",model_name="tiny"} 0.0
-vllm:num_requests_waiting{engine="1",model_name="tiny"} 0.0
 vllm:prompt_tokens_total{engine="0",model_name="tiny"} 10.0
-vllm:prompt_tokens_total{engine="1",model_name="tiny"} 10.0
-"""
+"""  # one engine: SIDECAR_DP_RANKS=auto (the default) counts one rank
 
 
 class ScriptedEngine:
@@ -41,6 +38,8 @@ class ScriptedEngine:
         self.timeout = timeout
         self.hung = False
         self.calls: dict[str, int] = {}
+        self.down = False  # refuses every connection (stopped, restarting)
+        self.metrics = VLLM_METRICS
         self.in_flight = 0
         self.most_in_flight = 0
         self.canary_starts: list[float] = []
@@ -55,6 +54,8 @@ class ScriptedEngine:
     async def registration(self, path: str) -> Result:
         started = self._count("registration")
         await asyncio.sleep(0.001)
+        if self.down:
+            return self._result(Outcome.ERROR, f"GET {path}: connection refused", started)
         return self._result(Outcome.SUCCESS, f"GET {path} -> 200", started)
 
     async def served_model(self) -> tuple[str | None, str]:
@@ -68,7 +69,9 @@ class ScriptedEngine:
     async def metrics_text(self, path: str) -> tuple[str | None, str]:
         self._count("metrics")
         await asyncio.sleep(0.001)
-        return VLLM_METRICS, f"GET {path} -> 200"
+        if self.down:
+            return None, f"GET {path}: connection refused"
+        return self.metrics, f"GET {path} -> 200"
 
     async def canary(self, plan: CanaryPlan, request: CanaryRequest) -> Result:
         started = self._count("canary")
@@ -106,7 +109,7 @@ def run_virtually(
         loop = asyncio.get_running_loop()
         with VirtualClock().patch_loop():
             plan = plan_canary(s)
-            ranks = s.dp_ranks if isinstance(s.dp_ranks, int) else 1
+            ranks = s.ranks if isinstance(s.ranks, int) else 1
             plans = [plan.for_rank(r) for r in range(ranks)] if ranks > 1 else [plan]
             health = Health(s, plans, clock=loop.time)
             engine = ScriptedEngine(s.request_timeout)
@@ -118,6 +121,7 @@ def run_virtually(
                 watch_progress=s.progress_enabled,
                 metrics_path=s.metrics_path,
                 metrics_interval=s.metrics_interval,
+                discover_ranks=s.ranks == "auto",  # as the server starts it
             )
             task = asyncio.create_task(monitor.run())
             try:
@@ -197,11 +201,54 @@ def test_liveness_fails_one_window_after_the_hard_failures_start(monkeypatch):
     run_virtually(s, script)
 
 
+def ranks_metrics(count: int) -> str:
+    """The in-flight gauges of ``count`` vLLM engines (ranks)."""
+    return "".join(
+        f'vllm:num_requests_{what}{{engine="{rank}",model_name="tiny"}} 0.0\n'
+        for rank in range(count)
+        for what in ("running", "waiting")
+    )
+
+
+def test_ranks_are_counted_by_default_and_again_after_each_restart(monkeypatch):
+    s = settings(monkeypatch)  # SIDECAR_DP_RANKS unset: auto for vllm
+    seen: list[tuple[str, ...]] = []
+
+    async def script(health: Health, engine: ScriptedEngine, _: Monitor) -> None:
+        def units() -> tuple[str, ...]:
+            return tuple(health.snapshot.endpoints)
+
+        def restart(ranks: int) -> Awaitable[float]:
+            async def go() -> float:
+                engine.down = True
+                await until(lambda: not ready(health), 5)
+                engine.metrics, engine.down = ranks_metrics(ranks), False
+                return await until(lambda: ready(health) and len(units()) == max(ranks, 1), 10)
+
+            return go()
+
+        engine.metrics = ranks_metrics(2)
+        await until(lambda: ready(health) and len(units()) == 2, 10)
+        seen.append(units())
+        await restart(3)
+        seen.append(units())
+        await restart(1)  # one rank: checked as one again
+        seen.append(units())
+
+    run_virtually(s, script)
+    assert seen == [
+        ("generate/rank0", "generate/rank1"),
+        ("generate/rank0", "generate/rank1", "generate/rank2"),
+        ("generate",),
+    ]
+
+
 def test_the_engine_is_read_once_per_interval_for_all_its_ranks(monkeypatch):
     s = settings(monkeypatch, SIDECAR_DP_RANKS="2")
     counted: dict[str, int] = {}
 
     async def script(health: Health, engine: ScriptedEngine, _: Monitor) -> None:
+        engine.metrics = ranks_metrics(2)
         await until(lambda: ready(health), 5)
         before = dict(engine.calls)
         await asyncio.sleep(25)

@@ -149,3 +149,20 @@ def test_rank_settings_are_refused_with_one_line(monkeypatch, env, line):
 def test_rank_counts(monkeypatch, value, parsed):
     monkeypatch.setenv("SIDECAR_DP_RANKS", value)
     assert load_settings().dp_ranks == parsed
+
+
+@pytest.mark.parametrize(
+    ("env", "ranks"),
+    [
+        ({"SIDECAR_BACKEND": "vllm"}, "auto"),
+        ({"SIDECAR_BACKEND": "sglang"}, "auto"),
+        ({"SIDECAR_BACKEND": "vllm", "SIDECAR_DP_RANKS": "1"}, 1),  # the way to turn it off
+        ({"SIDECAR_BACKEND": "trtllm"}, 1),  # cannot pin a request to a rank
+        ({"SIDECAR_BACKEND": "openai"}, 1),
+        ({"SIDECAR_BACKEND": "vllm", "SIDECAR_TRANSPORT": "dynamo", "DYN_FILE_KV": "/tmp"}, 1),
+    ],
+)
+def test_ranks_are_counted_by_default_where_the_engine_can_tell_them(monkeypatch, env, ranks):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert load_settings().ranks == ranks

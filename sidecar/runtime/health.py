@@ -105,22 +105,27 @@ class Health:
         self._emit(*stepped.events)
 
     def set_ranks(self, ranks: int) -> dict[str, CanaryPlan]:
-        """Check each endpoint rank by rank from now on (SIDECAR_DP_RANKS=auto, once the engine's
-        metrics told how many): each rank gets a fresh canary source and keeps what the engine
-        said of registration and lifecycle. Returns the new plans by unit; the caller stops the
-        old units' probes in the same step, so that nothing writes to a unit that is gone."""
+        """Check each endpoint with a canary rank by rank from now on (1: as one), as the
+        engine's metrics counted them (SIDECAR_DP_RANKS=auto; again after a restart). Each unit
+        gets a fresh canary source and keeps what the engine said of registration and
+        lifecycle. Returns the new plans by unit; the caller stops the old units' probes in the
+        same step, so that nothing writes to a unit that is gone."""
         snap = self.snapshot
         now = self.clock()
         plans: dict[str, CanaryPlan] = {}
         endpoints: dict[str, EndpointState] = {}
         models: dict[str, str | None] = {}
+        split: set[str] = set()
         for unit, plan in self.plans.items():
             before = snap.endpoints[unit]
             if not plan.probe.is_canary:  # the transfer probe is not a rank's
                 plans[unit], endpoints[unit], models[unit] = plan, before, snap.models.get(unit)
                 continue
-            for rank in range(ranks):
-                ranked = plan.for_rank(rank)
+            if plan.endpoint in split:  # one of its other ranks
+                continue
+            split.add(plan.endpoint)
+            whole = replace(plan, rank=None)
+            for ranked in [whole.for_rank(r) for r in range(ranks)] if ranks > 1 else [whole]:
                 plans[ranked.unit] = ranked
                 fresh = replace(
                     EndpointState(ranked.unit, ranked.enabled, ranked.why),
@@ -137,12 +142,12 @@ class Health:
             told_progress={},
         )
         self.snapshot = rebuilt(layout, now, endpoints=endpoints, models=models)
-        self._emit(
-            note(
-                f"checking {ranks} data-parallel ranks ({', '.join(plans)}), "
-                "each with its own canary"
-            )
-        )
+        if ranks > 1:
+            text = f"checking {ranks} data-parallel ranks ({', '.join(plans)}), each with its own "
+            text += "canary"
+        else:
+            text = f"checking the engine as one ({', '.join(plans)}): it has one data-parallel rank"
+        self._emit(note(text))
         return plans
 
     def _emit(self, *events: Event) -> None:

@@ -28,6 +28,7 @@ import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import replace
 
 from sidecar.core.endpoint import suspected
 from sidecar.core.evidence.lifecycle import sleeping_in
@@ -110,12 +111,13 @@ class Monitor:
         # One probe per kind (sidecar.probes.kinds); the HTTP canary by default.
         self.probes: Mapping[ProbeKind, Probe] = probes or {ProbeKind.HTTP: HttpCanary(client)}
         self.worker = worker
+        self.discover_ranks = discover_ranks
         self.timing = Timing(
             registration=registration_interval,
             metrics=metrics_interval if watch_progress else None,
             transfer=probe_interval,
-            count_ranks=discover_ranks,
         )
+        self._counted_for: int | None = None  # the incarnation whose ranks were counted
         # The loop's own state: set by the one who changes the state, cleared by the loop.
         self._wake = asyncio.Event()
         self._running: dict[Work, asyncio.Task[None]] = {}
@@ -138,8 +140,9 @@ class Monitor:
                 self._reap()
                 now = self.health.clock()
                 probes = {unit: _probe_of(plan) for unit, plan in self.health.plans.items()}
+                timing = replace(self.timing, count_ranks=self._counting())
                 due = next_due(
-                    self.health.snapshot, probes, self.timing, self._started, self._running, now
+                    self.health.snapshot, probes, timing, self._started, self._running, now
                 )
                 waiting: list[float] = []
                 for work, at in sorted(due.items()):
@@ -196,33 +199,50 @@ class Monitor:
             self._wake.set()  # the loop looks again: this work is no longer in flight
 
     # --- the work ---------------------------------------------------------------------------
+    def _incarnation(self) -> int:
+        """The engine's incarnation, as its canary units see it (they share registration)."""
+        snap = self.health.snapshot
+        return max(
+            (snap.endpoints[u].incarnation for u, p in self.health.plans.items() if p.enabled),
+            default=0,
+        )
+
+    def _counting(self) -> bool:
+        """SIDECAR_DP_RANKS=auto and this incarnation of the engine not counted yet."""
+        return self.discover_ranks and self._counted_for != self._incarnation()
+
     async def _count_ranks(self, _: str) -> None:
-        """SIDECAR_DP_RANKS=auto: count the ranks in the engine's metrics; once they answer and
-        show more than one, the endpoint is checked rank by rank from then on."""
-        template = next(p for p in self.health.plans.values() if p.probe.is_canary)
-        label = template.prober.rank_label
+        """SIDECAR_DP_RANKS=auto: count the ranks in the engine's metrics, once per incarnation
+        (a restarted engine may have others); with more than one, each rank is a unit of its
+        own, with one, the engine is checked as one."""
+        incarnation = self._incarnation()
+        canaries = [p for p in self.health.plans.values() if p.probe.is_canary]
+        label = canaries[0].prober.rank_label
         assert label is not None  # the configuration refuses auto without one
-        spec = template.progress_spec(self.metrics_path)
+        spec = replace(canaries[0], rank=None).progress_spec(self.metrics_path)
         text, _why = await self.client.metrics_text(spec.path)
         found = ranks_in(text, (*spec.running, *spec.waiting), label) if text else ()
-        if not found:
+        if not found or incarnation != self._incarnation():
+            return  # not yet: the metrics do not name them, or the engine changed meanwhile
+        first = self._counted_for is None
+        self._counted_for = incarnation
+        per_endpoint = len(canaries) // len({p.endpoint for p in canaries})
+        had = per_endpoint if any(p.rank is not None for p in canaries) else 1
+        if first or len(found) != had:
+            log.info(
+                "the engine's metrics show %d data-parallel rank(s) (%s=%s)%s",
+                len(found),
+                label,
+                ",".join(map(str, found)),
+                "" if first else f"; it had {had} before it restarted",
+            )
+        if len(found) == had:
             return
-        self.timing = Timing(
-            self.timing.registration, self.timing.metrics, self.timing.transfer, count_ranks=False
-        )
-        log.info(
-            "the engine's metrics show %d data-parallel rank(s) (%s=%s)",
-            len(found),
-            label,
-            ",".join(map(str, found)),
-        )
-        if len(found) < 2:
-            return
-        old = [u for u, p in self.health.plans.items() if p.probe.is_canary]
+        old = {p.unit for p in canaries}
         self.health.set_ranks(len(found))
         for work, task in list(self._running.items()):
-            if work.unit in old:  # nothing writes to a unit that is gone
-                task.cancel()
+            if work.unit in old and work.unit not in self.health.plans:
+                task.cancel()  # nothing writes to a unit that is gone
         self._costs.clear()
         self._wake.set()
 

@@ -56,7 +56,7 @@ class Parts:
 
 def build(settings: Settings) -> Parts:
     plan = plan_canary(settings)
-    ranks = settings.dp_ranks
+    ranks = settings.ranks
     # A fixed rank count: one plan per rank from the start; auto: one unpinned plan until the
     # engine's metrics tell (the monitor then splits it).
     plans = (
@@ -187,7 +187,7 @@ class MonitorThread:
             watch_progress=settings.health_check_enabled and settings.progress_enabled,
             metrics_path=settings.metrics_path,
             metrics_interval=settings.metrics_interval,
-            discover_ranks=settings.dp_ranks == "auto" and parts.plan.enabled,
+            discover_ranks=settings.ranks == "auto" and parts.plan.enabled,
             probes=self._probes(client, probe, worker),
             probe_interval=settings.kv_probe_interval,
             worker=worker,

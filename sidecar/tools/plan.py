@@ -101,18 +101,23 @@ def _lifecycle_lines(plan: CanaryPlan, s: Settings) -> list[str]:
 
 
 def _rank_lines(plan: CanaryPlan, s: Settings) -> list[str]:
-    if s.dp_ranks == 1:
-        return ["ranks          1 (SIDECAR_DP_RANKS): the server is checked as one"]
+    source = "SIDECAR_DP_RANKS" if s.dp_ranks is not None else "the default"
+    if s.ranks == 1:
+        why = "" if s.dp_ranks is not None else f": {s.backend} over {s.transport} is not counted"
+        return [f"ranks          1 ({source}{why}): the server is checked as one"]
     prober = plan.prober
     pin = (
         f"header {prober.rank_header}: <rank>"
         if prober.rank_header
         else f"body field {prober.rank_field}: <rank>"
     )
+    if s.ranks == "auto" and not plan.enabled:
+        return [f"ranks          auto ({source}): not counted without a canary; checked as one"]
     count = (
-        "counted from the engine's metrics once they answer (one unpinned canary until then)"
-        if s.dp_ranks == "auto"
-        else f"{s.dp_ranks}"
+        f"auto ({source}): counted from the engine's metrics once they answer and after each "
+        "restart (one unpinned canary until then; one rank: checked as one); more than one:"
+        if s.ranks == "auto"
+        else f"{s.ranks} ({source}):"
     )
     need = "every rank" if s.dp_min_ready_ranks is None else f"{s.dp_min_ready_ranks}"
     progress = (
@@ -121,7 +126,7 @@ def _rank_lines(plan: CanaryPlan, s: Settings) -> list[str]:
         else "no per-rank progress (the metrics do not tell ranks apart)"
     )
     return [
-        f"ranks          {count} (SIDECAR_DP_RANKS): each its own canary ({pin}), {progress}",
+        f"ranks          {count} each its own canary ({pin}), {progress}",
         f"  ready when   {need} ready (SIDECAR_DP_MIN_READY_RANKS); fewer but enough: degraded",
     ]
 
