@@ -28,10 +28,12 @@ from sidecar.core.endpoint import (
     EndpointState,
     apply_canary,
     apply_discovery,
+    apply_faults,
     apply_lifecycle,
     apply_registration,
 )
 from sidecar.core.evidence import lifecycle
+from sidecar.core.evidence.faults import EngineReport
 from sidecar.core.evidence.policy import Policy
 from sidecar.core.evidence.result import Outcome, Result
 from sidecar.core.verdict import Verdict, endpoint_verdict, rank_verdict
@@ -206,6 +208,9 @@ ENDPOINT_ROWS: dict[tuple[str, str], Callable[[], EndpointState]] = {
     ),
     ("not discoverable", "any"): _orphaned,
     ("registered", "engine asleep"): _asleep,
+    ("registered", "engine reports a fault or recovers"): lambda: apply_faults(
+        _passed(), 0, EngineReport("unhealthy", "RuntimeError"), 2.0
+    ),
     ("registered", "none for this role"): lambda: _registered(has_canary=False),
     ("registered", "no result yet"): _registered,
     ("registered", "ready"): _passed,

@@ -9,6 +9,7 @@ exact statement about the schedule, whatever the machine's load.
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -18,7 +19,9 @@ from aiotools import VirtualClock
 from sidecar.config import Settings, load_settings
 from sidecar.core.evidence.result import Outcome, Result
 from sidecar.core.observations import MaintenanceDeclared
+from sidecar.core.verdict import Cause
 from sidecar.probes import CanaryPlan, CanaryRequest, plan_canary
+from sidecar.runtime.engine import Answer
 from sidecar.runtime.health import Health, liveness_of, readiness_of
 from sidecar.runtime.monitor import Monitor
 from sidecar.tools.probes import size
@@ -39,6 +42,8 @@ class ScriptedEngine:
         self.hung = False
         self.calls: dict[str, int] = {}
         self.down = False  # refuses every connection (stopped, restarting)
+        # vLLM's fault-tolerance status, per engine (rank): None serves no such route (404).
+        self.faults: dict[int, str] | None = None
         self.metrics = VLLM_METRICS
         self.in_flight = 0
         self.most_in_flight = 0
@@ -57,6 +62,14 @@ class ScriptedEngine:
         if self.down:
             return self._result(Outcome.ERROR, f"GET {path}: connection refused", started)
         return self._result(Outcome.SUCCESS, f"GET {path} -> 200", started)
+
+    async def get(self, path: str) -> Answer:
+        self._count(path)
+        if path != "/fault_tolerance/status" or self.faults is None:
+            return Answer(404, "application/json", b'{"detail":"Not Found"}', None)
+        engines = [{"id": rank, "status": state} for rank, state in self.faults.items()]
+        body = {"schema_version": 1, "total_engines": len(engines), "engines": engines}
+        return Answer(200, "application/json", json.dumps(body).encode(), None)
 
     async def served_model(self) -> tuple[str | None, str]:
         self._count("served_model")
@@ -296,3 +309,46 @@ def test_an_unexpected_error_in_any_work_stops_the_monitor(monkeypatch):
 
     with pytest.raises(RuntimeError, match="a bug"):
         run_virtually(s, script, check=True)
+
+
+def test_a_fault_the_engine_reports_is_notready_and_restarts_only_after_the_window(monkeypatch):
+    s = settings(monkeypatch, SIDECAR_LIVENESS_WINDOW="30")
+
+    async def script(health: Health, engine: ScriptedEngine, _: Monitor) -> None:
+        loop = asyncio.get_running_loop()
+        engine.faults = {0: "healthy"}
+        await until(lambda: ready(health), 5)
+        engine.faults = {0: "unhealthy"}  # its /health still answers 200
+        took = await until(lambda: not ready(health), 5)
+        assert took <= s.registration_interval + 0.1
+        verdict = health.snapshot.verdicts["generate"]
+        assert verdict.reason == "vLLM fault tolerance: engine 0 reports unhealthy"
+        started = loop.time()
+        await until(lambda: not liveness_of(health.snapshot, loop.time()).live, 40)
+        assert loop.time() - started == pytest.approx(30, abs=s.registration_interval + 0.1)
+        assert liveness_of(health.snapshot, loop.time()).cause is Cause.FAULT
+
+        engine.faults = {0: "recovering"}  # notready and live, as a pause is; no canary
+        await until(lambda: liveness_of(health.snapshot, loop.time()).live, 5)
+        sent = engine.calls["canary"]
+        await asyncio.sleep(30)
+        assert engine.calls["canary"] == sent
+        assert not ready(health)
+
+        engine.faults = {0: "healthy"}  # a fresh canary proves it at once
+        await until(lambda: engine.calls["canary"] > sent, s.registration_interval + 0.1)
+        await until(lambda: ready(health), 1)
+
+    run_virtually(s, script)
+
+
+def test_a_server_without_fault_tolerance_is_asked_once(monkeypatch):
+    s = settings(monkeypatch)
+
+    async def script(health: Health, engine: ScriptedEngine, _: Monitor) -> None:
+        await until(lambda: ready(health), 5)
+        await asyncio.sleep(20)
+        assert engine.calls["/fault_tolerance/status"] == 1  # 404: not asked again
+        assert engine.calls["registration"] >= 20
+
+    run_virtually(s, script)

@@ -13,6 +13,7 @@ from sidecar.config import StartingStatus
 from sidecar.core.endpoint import (
     EndpointState,
     apply_canary,
+    apply_faults,
     apply_registration,
     apply_sample,
     canary_due,
@@ -20,6 +21,7 @@ from sidecar.core.endpoint import (
     suspected,
 )
 from sidecar.core.evidence.canary import CanaryState, TimeoutEvidence, on_canary
+from sidecar.core.evidence.faults import EngineReport, read_status, report_for, reports_in
 from sidecar.core.evidence.policy import Policy
 from sidecar.core.evidence.progress import (
     COMPLETED,
@@ -41,6 +43,7 @@ from sidecar.core.verdict import (
     Cause,
     Rule,
     Verdict,
+    clocks,
     decide_liveness,
     decide_readiness,
     endpoint_verdict,
@@ -84,8 +87,22 @@ def _verdict_rows():
     failing = ready
     for at in (1.0, 2.0):
         failing = apply_canary(failing, result(Outcome.INVALID, at), failing.incarnation, POLICY)
+    unhealthy = apply_faults(ready, 0, EngineReport("unhealthy", "RuntimeError"), 3.0)
+    recovering = apply_faults(ready, 1, EngineReport("recovering"), 3.0)
     return [
         ("not checked", fresh, None, "not checked yet"),
+        (
+            "registered, the engine reports a fault",
+            unhealthy,
+            False,
+            "vLLM fault tolerance: engine 0 reports unhealthy (RuntimeError)",
+        ),
+        (
+            "registered, the engine recovers",
+            recovering,
+            False,
+            "vLLM fault tolerance: engine 1 reports recovering",
+        ),
         ("deregistered (503)", down, False, "engine not registered: "),
         ("registered, no canary", registered(has_canary=False), True, "registered; no canary"),
         ("registered, no result yet", registered(), None, "registered; waiting for the first"),
@@ -544,3 +561,44 @@ def test_an_endpoint_of_ranks_is_decided_by_its_ranks_and_a_single_unit_by_itsel
     assert got["generate"].reason.startswith("1 of 2 ranks ready")
     degraded = endpoint_verdicts(units, verdicts, 1)["generate"]
     assert (degraded.ready, degraded.degraded) == (True, True)
+
+
+@pytest.mark.parametrize(
+    ("states", "clock_from", "canary_due_after"),
+    [
+        (["unhealthy"], 1.0, True),
+        (["unhealthy", "dead"], 1.0, True),  # still failed: the clock runs on
+        (["unhealthy", "healthy"], None, True),
+        (["recovering"], None, False),  # a pause: no canary, no clock
+        (["unhealthy", "recovering"], None, False),
+        (["recovering", "healthy"], None, True),
+    ],
+)
+def test_the_engines_fault_reports(states, clock_from, canary_due_after):
+    ep = passed(registered())
+    for at, state in enumerate(states, start=1):
+        ep = apply_faults(ep, 0, EngineReport(state), float(at))
+    running = clocks(ep)
+    assert running.get(Cause.FAULT) == clock_from
+    assert (canary_due(ep, POLICY) is not None) is canary_due_after
+    if states[-1] == "healthy":  # back from a fault: a fresh canary proves it first
+        assert ep.canary.ready is None
+        assert endpoint_verdict(ep, POLICY, 10.0).ready is None
+
+
+def test_fault_reports_are_read_per_rank_from_vllms_status_body():
+    body = {
+        "schema_version": 1,
+        "total_engines": 2,
+        "engines": [
+            {"id": 0, "status": "healthy"},
+            {"id": 1, "status": "unhealthy", "fault_info": "RuntimeError", "ft_error": None},
+            {"id": "x", "status": "dead"},  # not well formed: left out
+        ],
+    }
+    reports = reports_in(body)
+    assert reports == {0: EngineReport("healthy"), 1: EngineReport("unhealthy", "RuntimeError")}
+    assert report_for(reports, 0) == (0, EngineReport("healthy"))
+    assert report_for(reports, None) == (1, EngineReport("unhealthy", "RuntimeError"))
+    assert read_status(404, "")[2] is True
+    assert read_status(200, "[]")[0] is None

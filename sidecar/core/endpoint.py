@@ -16,6 +16,7 @@ from sidecar.core.evidence import lifecycle
 from sidecar.core.evidence.canary import CanaryState, TimeoutEvidence, check_answer, on_canary
 from sidecar.core.evidence.discovery import DiscoveryState, on_discovery
 from sidecar.core.evidence.enginehealth import EngineHealthState, on_engine_health
+from sidecar.core.evidence.faults import EngineReport, FaultState, on_fault_report
 from sidecar.core.evidence.lifecycle import LifecycleState, Maintenance
 from sidecar.core.evidence.policy import Policy
 from sidecar.core.evidence.progress import (
@@ -43,6 +44,7 @@ class EndpointState:
     transfers: TransferState = field(default_factory=TransferState)
     discovery: DiscoveryState = field(default_factory=DiscoveryState)
     engine_health: EngineHealthState = field(default_factory=EngineHealthState)
+    faults: FaultState = field(default_factory=FaultState)
     # False for an endpoint that informs (kv_transfer): its failures never fail /live.
     liveness: bool = True
 
@@ -77,6 +79,7 @@ def apply_registration(ep: EndpointState, result: Result, policy: Policy) -> End
             # The sleep state of an engine that left is unknown; a declared window stands.
             lifecycle=lifecycle.new_incarnation(ep.lifecycle),
             discovery=DiscoveryState(),
+            faults=FaultState(),  # a restarted engine may be started otherwise: asked again
         )
     return replace(ep, registration=registration)
 
@@ -101,6 +104,27 @@ def apply_engine_health(
     return replace(
         ep, engine_health=on_engine_health(ep.engine_health, status_code, status, detail, at)
     )
+
+
+def apply_faults(
+    ep: EndpointState,
+    rank: int | None,
+    report: EngineReport | None,
+    at: float,
+    *,
+    missing: bool = False,
+) -> EndpointState:
+    """What the engine's fault-tolerance status says of this unit's rank. Into a pause
+    (recovering), the canary's evidence ends, as a lifecycle pause ends it; back to healthy from
+    a pause or a fault, a fresh canary proves the engine before it is ready again."""
+    before = ep.faults
+    after = on_fault_report(before, rank, report, at, missing=missing)
+    canary = ep.canary
+    if after.paused and not before.paused:
+        canary = CanaryState(reason=f"{after.reason()}: no canary is sent")
+    elif after.healthy and not before.healthy:
+        canary = proves_anew(ep, at)
+    return replace(ep, faults=after, canary=canary)
 
 
 def apply_lifecycle(ep: EndpointState, after: LifecycleState, at: float) -> EndpointState:
@@ -177,8 +201,8 @@ def apply_transfers(ep: EndpointState, sample: TransferSample | None) -> Endpoin
 def canary_due(ep: EndpointState, policy: Policy) -> float | None:
     """When the next canary may leave (monotonic); None while there is nothing to send.
 
-    - Not registered, no canary for this role, paused (asleep, in maintenance), or missing from
-      discovery (there is no way to it): nothing.
+    - Not registered, no canary for this role, paused (asleep, in maintenance, recovering from a
+      fault the engine reports), or missing from discovery (there is no way to it): nothing.
     - The health route timed out, no progress excused it and no canary passed since: now (slow
       or frozen, the canary finds out), at most every ``retry``.
     - Work in flight and the counters quiet for ``policy.suspect_after``: a stall is suspected;
@@ -192,7 +216,7 @@ def canary_due(ep: EndpointState, policy: Policy) -> float | None:
     canary, progress = ep.canary, ep.progress
     if not ep.has_canary or not ep.registration.registered or canary.next_due is None:
         return None
-    if ep.lifecycle.paused or ep.discovery.listed is False:
+    if ep.lifecycle.paused or ep.discovery.listed is False or ep.faults.paused:
         return None
     if _in_doubt(ep):
         assert ep.registration.last is not None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from sidecar.core.evidence.faults import EngineReport
 from sidecar.core.evidence.progress import CanaryCost, ProgressSample, ProgressSpec
 from sidecar.core.evidence.result import Result
 from sidecar.core.evidence.transfers import TransferSample
@@ -65,6 +66,17 @@ class SleepSaid:
     why: str
     gauge: bool
     missing: bool = False  # the sleep route does not exist
+
+
+@dataclass(frozen=True)
+class FaultsSaid:
+    """What the engine's fault-tolerance status (vLLM) says of this unit's rank: ``rank`` is the
+    engine the report is about; ``report`` None: not reported; ``missing``: no such route."""
+
+    unit: str
+    rank: int | None
+    report: EngineReport | None
+    missing: bool = False
 
 
 @dataclass(frozen=True)
@@ -127,6 +139,7 @@ Observation = (
     | CanaryDone
     | ProgressRead
     | SleepSaid
+    | FaultsSaid
     | TransfersRead
     | DiscoverySaid
     | EngineHealthSaid

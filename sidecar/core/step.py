@@ -19,6 +19,7 @@ from sidecar.core.endpoint import (
     apply_canary,
     apply_discovery,
     apply_engine_health,
+    apply_faults,
     apply_lifecycle,
     apply_registration,
     apply_sample,
@@ -36,6 +37,7 @@ from sidecar.core.observations import (
     DiscoverySaid,
     DrainAsked,
     EngineHealthSaid,
+    FaultsSaid,
     Heartbeat,
     MaintenanceDeclared,
     MaintenanceOver,
@@ -153,6 +155,24 @@ def _unit_step(changes: _Changes, obs: Observation) -> None:
                 if missing and not before.sleep_route_missing:
                     changes.say(f"{unit}: {why}; its sleep state is not asked again", unit=unit)
             changes.pause_change(unit, before, after_lc)
+        case FaultsSaid(unit, rank, report, missing):
+            before = snap.endpoints[unit]
+            after = apply_faults(before, rank, report, now, missing=missing)
+            was, is_ = before.faults, after.faults
+            if is_.missing and not was.missing:
+                changes.say(
+                    f"{unit}: the engine serves no fault-tolerance status (404); not asked again",
+                    unit=unit,
+                )
+            elif not is_.healthy and (was.report != is_.report or was.rank != is_.rank):
+                changes.say(f"{unit}: {is_.reason()}", logging.WARNING, unit)
+            elif is_.healthy and not was.healthy:
+                changes.say(
+                    f"{unit}: vLLM fault tolerance: the engine reports healthy again; a canary "
+                    "proves it before it is ready",
+                    unit=unit,
+                )
+            changes.endpoints[unit] = after
         case TransfersRead(unit, sample):
             before = snap.endpoints[unit]
             after = apply_transfers(before, sample)

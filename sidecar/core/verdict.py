@@ -12,6 +12,9 @@ not registered     any                     notready   engine not registered: <it
 not discoverable   any                     notready   not discoverable: <instance> is gone from
                                                       <discovery> ... (Dynamo workers)
 registered         engine asleep           notready   sleeping (<what the engine said>)
+registered         engine reports a fault  notready   vLLM fault tolerance: engine <rank>
+                   or recovers                        reports <its state> ... (unhealthy, dead,
+                                                      recovering, paused; with its fault_info)
 registered         none for this role      ready      registered; no canary (<why>)
 registered         no result yet           none       registered; waiting for the first canary
 registered         ready                   ready      canary passed ... (+ what the metrics say)
@@ -41,7 +44,9 @@ liveness window, each started and ended by its own source only:
 - stalled: a stall a canary confirmed (ended as the canary clock);
 - not discoverable: a Dynamo worker's instance, listed before in this incarnation, gone from
   discovery while its system server answers (ended when it is listed again, or the worker stops
-  answering: only a restart registers an orphaned worker again).
+  answering: only a restart registers an orphaned worker again);
+- engine reports a fault: vLLM's fault-tolerance status says the rank is unhealthy or dead
+  (started by the first read that says so; ended when it reports healthy, or recovering).
 
 An endpoint fails liveness when its first clock reaches the window; the cause named is that
 clock's, or "not discoverable" whenever that one runs (no canary reaches an orphan).
@@ -144,6 +149,8 @@ def endpoint_verdict(ep: EndpointState, policy: Policy, now: float) -> Verdict:
         return Verdict(False, ep.discovery.reason())
     if ep.lifecycle.sleeping:
         return Verdict(False, ep.lifecycle.reason(now) or "sleeping")
+    if not ep.faults.healthy:
+        return Verdict(False, ep.faults.reason())
     peers = ep.transfers.note(now)  # informs, never decides
     if not ep.has_canary:
         return Verdict(True, f"registered; no canary ({ep.canary_why})" + peers)
@@ -256,6 +263,7 @@ class Cause(StrEnum):
     CANARY = "canary failing hard"
     STALL = "stalled"
     UNDISCOVERABLE = "not discoverable"
+    FAULT = "engine reports a fault"
 
 
 def clocks(ep: EndpointState) -> dict[Cause, float]:
@@ -272,6 +280,8 @@ def clocks(ep: EndpointState) -> dict[Cause, float]:
             running[Cause.STALL] = ep.canary.stall_since
         if ep.canary.hard_since is not None:
             running[Cause.CANARY] = ep.canary.hard_since
+        if ep.faults.failed and ep.faults.since is not None:
+            running[Cause.FAULT] = ep.faults.since
     return running
 
 
@@ -280,6 +290,8 @@ def _current_reason(ep: EndpointState, cause: Cause) -> str:
         return ep.registration.reason
     if cause is Cause.UNDISCOVERABLE:
         return ep.discovery.reason()
+    if cause is Cause.FAULT:
+        return ep.faults.reason()
     return ep.canary.reason
 
 

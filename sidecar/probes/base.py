@@ -79,6 +79,9 @@ class Prober:
     # 1 while it is awake (0 asleep) in its metrics; none for a backend that cannot sleep.
     sleep_path: ClassVar[str | None] = None
     awake: ClassVar[tuple[Series, ...]] = ()
+    # The engine's own fault-tolerance status ({"engines": [{"id": rank, "status": ...}]},
+    # sidecar.core.evidence.faults), read with each registration check; none where it has none.
+    fault_path: ClassVar[str | None] = None
     # How a request is pinned to one data-parallel rank (a header, or a body field), and the
     # label that tells ranks apart in the engine's metrics; None where the backend has none.
     rank_header: ClassVar[str | None] = None

@@ -50,6 +50,8 @@ class VllmProber(Prober):
     # until POST /wake_up. The gauge is published either way, one series per state and rank:
     # awake 1 when awake, 0 when asleep at any level (level 0 sets every state to 0).
     sleep_path: ClassVar[str | None] = "/is_sleeping"
+    # Served with --enable-fault-tolerance (external-LB data parallel; 404 without it).
+    fault_path: ClassVar[str | None] = "/fault_tolerance/status"
     # Measured with --data-parallel-size 2: the header pins (400 out of range); every vllm:
     # series carries engine="<rank>".
     rank_header: ClassVar[str | None] = "X-data-parallel-rank"

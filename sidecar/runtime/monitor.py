@@ -31,6 +31,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import replace
 
 from sidecar.core.endpoint import suspected
+from sidecar.core.evidence.faults import read_status, report_for
 from sidecar.core.evidence.lifecycle import sleeping_in
 from sidecar.core.evidence.progress import (
     CanaryCost,
@@ -49,6 +50,7 @@ from sidecar.core.observations import (
     CanaryDone,
     DiscoverySaid,
     EngineHealthSaid,
+    FaultsSaid,
     Heartbeat,
     MaintenanceOver,
     ModelServed,
@@ -61,7 +63,7 @@ from sidecar.core.observations import (
 from sidecar.core.schedule import Job, Timing, Work, next_due
 from sidecar.probes import CanaryPlan, Probe, ProbeKind
 from sidecar.probes.http import HttpCanary
-from sidecar.runtime.engine import EngineClient
+from sidecar.runtime.engine import EngineClient, NoAnswer
 from sidecar.runtime.health import Health
 from sidecar.runtime.requestplane.worker import DynamoWorker
 
@@ -308,6 +310,7 @@ class Monitor:
         for unit in units:
             self.observe(Registered(unit, result))
         await self._ask_sleep()
+        await self._ask_faults()
 
     async def _ask_sleep(self) -> None:
         """Ask the engine's sleep route once for every unit whose backend has one."""
@@ -322,6 +325,35 @@ class Monitor:
             sleeping, why, missing = await self.client.sleep_state(path)
             for unit in (u for u in units if u in self.health.plans):
                 self.observe(SleepSaid(unit, sleeping, why, gauge=False, missing=missing))
+
+    async def _ask_faults(self) -> None:
+        """Read the engine's fault-tolerance status (vLLM) once for every unit of a backend that
+        serves one, each told its own rank's report; a route that does not exist is not asked
+        again (this incarnation)."""
+        snap = self.health.snapshot
+        asking: dict[str, list[str]] = {}
+        for unit, plan in self.health.plans.items():
+            path = plan.prober.fault_path
+            ep = snap.endpoints[unit]
+            if (
+                path
+                and plan.probe.is_canary
+                and ep.registration.registered
+                and not ep.faults.missing
+            ):
+                asking.setdefault(path, []).append(unit)
+        for path, units in asking.items():
+            answer = await self.client.get(path)
+            if isinstance(answer, NoAnswer):
+                continue  # no word: the registration check and the canary see that engine
+            reports, _why, missing = read_status(
+                answer.status, answer.body.decode(errors="replace")
+            )
+            if reports is None and not missing:
+                continue
+            for unit in (u for u in units if u in self.health.plans):
+                rank, report = report_for(reports or {}, self.health.plans[unit].rank)
+                self.observe(FaultsSaid(unit, rank, report, missing))
 
     async def _read(self, unit: str, spec: ProgressSpec) -> ProgressSample | None:
         """One unit's own read of the metrics, beside its canary (the baseline of a timeout)."""

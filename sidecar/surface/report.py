@@ -80,6 +80,18 @@ def _transfers(ep: EndpointState, now: float) -> dict[str, Any] | None:
     }
 
 
+def _fault_tolerance(ep: EndpointState, now: float) -> dict[str, Any] | None:
+    state = ep.faults
+    if state.report is None:
+        return None  # not served (no --enable-fault-tolerance), or not asked yet
+    return {
+        "engine": state.rank,
+        "state": state.report.state,
+        "detail": state.report.detail or None,
+        "unhealthy_since": _wall(state.since, now),
+    }
+
+
 def _discovery(ep: EndpointState, now: float) -> dict[str, Any] | None:
     state = ep.discovery
     if state.instance is None:
@@ -130,6 +142,7 @@ def _check(ep: EndpointState, snap: Snapshot, now: float) -> dict[str, Any]:
         "progress": _progress(ep, snap, now),
         "lifecycle": _lifecycle(ep, now),
         "kv_transfers": _transfers(ep, now),
+        "fault_tolerance": _fault_tolerance(ep, now),
         "last_progress_time": (
             iso(progress.last_advance_wall) if progress.last_advance_wall is not None else None
         ),

@@ -97,7 +97,19 @@ def _lifecycle_lines(plan: CanaryPlan, s: Settings) -> list[str]:
             f"(loopback only, {guard}): notready 'maintenance', live, no canary, for at most "
             f"{s.maintenance_max:g} s; it ends by itself"
         )
-    return [sleep, control]
+    return [sleep, _faults_line(plan, s), control]
+
+
+def _faults_line(plan: CanaryPlan, s: Settings) -> str:
+    path = plan.prober.fault_path
+    if path is None or s.transport is Transport.DYNAMO:
+        return f"faults         not read ({s.backend} over {s.transport} reports none)"
+    return (
+        f"faults         GET {path} with each registration check (vLLM's fault tolerance; a 404: "
+        "not served, not asked again this incarnation): a rank reported unhealthy or dead -> "
+        f"notready, /live fails after {s.liveness_window:g} s of it; recovering or paused -> "
+        "notready, live, no canary; healthy again -> a canary proves it first"
+    )
 
 
 def _rank_lines(plan: CanaryPlan, s: Settings) -> list[str]:
