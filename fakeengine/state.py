@@ -162,6 +162,11 @@ class Job:
     # False for an engine's internal request that its request counters leave out (SGLang's
     # /health generation sets log_metrics=False).
     log_metrics: bool = True
+    # Set when the engine aborts it (its client left and the engine noticed, or an abort
+    # request named it): it ends at its next step, computing nothing more.
+    abort: asyncio.Event = field(default_factory=asyncio.Event)
+    # Its client left before the answer (the engine may not know yet).
+    client_gone: bool = False
 
 
 def token_at(position: int) -> int:
@@ -197,6 +202,10 @@ class RankStats:
     steps: int = 0  # engine steps that produced tokens
     finished_requests: int = 0
     aborted_requests: int = 0  # ended by a sleep in mode abort
+    # Requests whose client left before the answer: aborted by the engine before they were
+    # computed, or computed anyway (see Backend.notice_delay).
+    abandoned_aborted: int = 0
+    abandoned_computed: int = 0
     failed_requests: int = 0  # ended by an error after admission (a failed KV transfer)
     # NIXL connector counters (vLLM prefill/decode).
     nixl_failed_transfers: int = 0
@@ -298,6 +307,8 @@ class EngineState:
         # Tokens generated so far on any rank, and an event set at the next one.
         self.outputs = 0
         self._output = asyncio.Event()
+        # Generations running now, by request id (an abort by id finds them here).
+        self.jobs: dict[str, Job] = {}
 
     # -- data-parallel ranks ---------------------------------------------------------------------
 
@@ -424,9 +435,22 @@ class EngineState:
             rank.released.set()
         self._resumed.set()
 
-    async def _wait_released(self, rank: Rank) -> None:
+    async def _wait_released(self, rank: Rank, job: Job | None = None) -> None:
+        """Wait until neither the engine nor the rank is hung (or ``job`` is aborted)."""
         while not (self._released.is_set() and rank.released.is_set()):
-            await (rank.released if self._released.is_set() else self._released).wait()
+            gate = rank.released if self._released.is_set() else self._released
+            if job is None:
+                await gate.wait()
+                continue
+            released = asyncio.ensure_future(gate.wait())
+            aborted = asyncio.ensure_future(job.abort.wait())
+            try:
+                await asyncio.wait({released, aborted}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                released.cancel()
+                aborted.cancel()
+            if job.abort.is_set():
+                return
         if self._keep_in_flight:
             await self._resumed.wait()
         if self.stopping.is_set():
@@ -495,13 +519,17 @@ class EngineState:
         tally = self.logged[job.stream] if job.log_metrics else RequestTally()
         rank.start_running()
         self._idle.clear()
+        self.jobs[job.request_id] = job
         epoch = self._abort_epoch
         wrong = False
         try:
             if self.config.prompt_on_arrival:
                 stats.prompt_tokens += job.prompt_tokens
                 tally.prompt_tokens += job.prompt_tokens
-            await self._wait_released(rank)
+            await self._wait_released(rank, job)
+            if job.abort.is_set():
+                self._abandon(job)
+                return
             await self._prefill(rank)
             if self.aborted_since(epoch):
                 self._abort(job)
@@ -511,8 +539,11 @@ class EngineState:
             if job.max_tokens == 0:
                 await asyncio.sleep(self.faults.latency)
             for position in range(job.max_tokens):
-                await self._wait_released(rank)
+                await self._wait_released(rank, job)
                 await asyncio.sleep(self.faults.latency / job.max_tokens)
+                if job.abort.is_set():
+                    self._abandon(job)
+                    return
                 if self.aborted_since(epoch):
                     self._abort(job)
                     return
@@ -526,14 +557,35 @@ class EngineState:
                 self._note_output()
                 yield wrong_token_at(position) if wrong else token_at(position)
             stats.finished_requests += 1
+            stats.abandoned_computed += job.client_gone
             tally.requests += 1
             tally.generated_tokens += job.max_tokens
             if not self.config.prompt_on_arrival:
                 tally.prompt_tokens += job.prompt_tokens
         finally:
+            if self.jobs.get(job.request_id) is job:
+                del self.jobs[job.request_id]
             rank.stop_running()
             if self.running == 0:
                 self._idle.set()
+
+    def _abandon(self, job: Job) -> None:
+        """The engine aborted the job (its client left, or an abort named it)."""
+        job.finish_reason = "abort"
+        self.ranks[job.rank].stats.abandoned_aborted += 1
+
+    def abort_request(self, request_id: str) -> bool:
+        """Abort the running generation with this id (SGLang's /abort_request); False if none."""
+        job = self.jobs.get(request_id)
+        if job is None:
+            return False
+        job.abort.set()
+        return True
+
+    def abort_all(self) -> int:
+        for job in self.jobs.values():
+            job.abort.set()
+        return len(self.jobs)
 
     def _abort(self, job: Job) -> None:
         job.finish_reason = "abort"
@@ -568,6 +620,11 @@ class EngineState:
             "sleeping": self.paused,
             "sleep_level": self.sleep_level,
             "generated_tokens": self.generated_tokens,
+            # Generations whose client left first: aborted by the engine, or computed anyway.
+            "abandoned": {
+                "aborted": self._total("abandoned_aborted"),
+                "computed": self._total("abandoned_computed"),
+            },
             "pid": self.pid,
             "dp_size": self.dp_size,
             "ranks": [self._rank_snapshot(rank) for rank in self.ranks],

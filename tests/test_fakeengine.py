@@ -476,7 +476,10 @@ def test_sglang_series_and_labels(launch: Callable[..., Engine]) -> None:
         "sglang:prefill_effective_tokens_total",
         "sglang:scheduler_idle_seconds_total",
     }
-    assert {name for name, _, _ in series} == per_rank | set(SGLANG_REQUEST_COUNTERS)
+    # The tokenizer manager's count of aborted requests: engine-wide, not split by streaming
+    # (labels as measured on SGLang 0.5.23).
+    aborted = "sglang:num_aborted_requests_total"
+    assert {name for name, _, _ in series} == per_rank | set(SGLANG_REQUEST_COUNTERS) | {aborted}
     families = family_types(response.text)
     assert families["sglang:num_running_reqs"] == "gauge"
     assert families["sglang:realtime_tokens"] == "counter"
@@ -491,6 +494,9 @@ def test_sglang_series_and_labels(launch: Callable[..., Engine]) -> None:
             assert set(labels) == SGLANG_RANK_LABELS | extra, (name, labels)
             assert labels["engine_type"] == "unified"
             assert (labels["tp_rank"], labels["pp_rank"], labels["moe_ep_rank"]) == ("0", "0", "0")
+        elif name == aborted:
+            assert set(labels) == {"engine_type", "model_name"}, (name, labels)
+            assert value == 0
         else:
             assert set(labels) == SGLANG_REQUEST_LABELS, (name, labels)
             assert labels["is_streaming"] == "false"  # no streamed request has finished yet
@@ -885,10 +891,12 @@ def test_hang_generation_keeps_health_green(vllm: Engine) -> None:
         vllm.post("/v1/completions", completion(), timeout=HUNG_CLIENT_TIMEOUT)
     for path in ("/health", "/v1/models", "/metrics"):
         assert vllm.get(path).status_code == 200
-    assert vllm.metric("vllm:num_requests_running") == 1
+    # vLLM aborts a request whose client left (measured): the hung one is gone, uncounted.
+    wait_for(lambda: vllm.state()["abandoned"] == {"aborted": 1, "computed": 0})
+    assert vllm.metric("vllm:num_requests_running") == 0
     with ThreadPoolExecutor(max_workers=1) as pool:
         pending = pool.submit(vllm.post, "/v1/completions", completion(max_tokens=2))
-        wait_for(lambda: vllm.state()["running"] == 2)
+        wait_for(lambda: vllm.state()["running"] == 1)
         assert not pending.done()
         vllm.fault(hang_generation=False)
         released = pending.result(timeout=5)
@@ -1508,7 +1516,8 @@ def test_vllm_dp_one_wedged_rank(launch: Callable[..., Engine]) -> None:
         assert sample(text, "vllm:num_requests_running", engine="0") == 0
         state = rank_state(engine, 1)
         assert state["hung"] is True
-        assert state["in_flight"] >= 3
+        # Only the held request waits there: vLLM aborts those whose client left (measured).
+        wait_for(lambda: rank_state(engine, 1)["in_flight"] == 1)
         assert not held.done()
 
         # SIGCONT: the held request completes at once and the rank's counters move again.

@@ -311,6 +311,35 @@ class Backend:
             disconnect.cancel()
             stopping.cancel()
 
+    # -------------------------------------------------------------------- abandoned requests
+
+    def notice_delay(self, elapsed: float) -> float | None:
+        """Seconds until the engine notices that a request's client left, ``elapsed`` seconds
+        after the request began; None: it never does and computes the request anyway (what a
+        frozen llama-server does with an abandoned connection after SIGCONT, measured)."""
+        return None
+
+    async def generate_watched(self, request: Request, job: Job) -> list[int]:
+        """A non-streamed generation with its client watched: when the client leaves, the job
+        is marked (``client_gone``) and aborted once the engine notices (``notice_delay``)."""
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+
+        async def watch() -> None:
+            await _until_disconnect(request)
+            job.client_gone = True
+            delay = self.notice_delay(loop.time() - started)
+            if delay is None:
+                return
+            await asyncio.sleep(delay)
+            job.abort.set()
+
+        watcher = asyncio.ensure_future(watch())
+        try:
+            return await self.state.generate_all(job)
+        finally:
+            watcher.cancel()
+
     # ----------------------------------------------------------------------- OpenAI routes
 
     async def completions(self, request: Request) -> Response:
@@ -328,7 +357,7 @@ class Backend:
         job = await self.admit(req, job, request)
         if req.stream:
             return sse_response(self._openai_chunks(job, chat=False), done_marker=True)
-        tokens = await self.state.generate_all(job)
+        tokens = await self.generate_watched(request, job)
         choice: dict[str, Any] = {
             "index": 0,
             "text": detokenize(tokens),
@@ -354,7 +383,7 @@ class Backend:
         job = await self.admit(req, job, request)
         if req.stream:
             return sse_response(self._openai_chunks(job, chat=True), done_marker=True)
-        tokens = await self.state.generate_all(job)
+        tokens = await self.generate_watched(request, job)
         choice = {
             "index": 0,
             "message": {"role": "assistant", "content": detokenize(tokens)},

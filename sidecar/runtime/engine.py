@@ -152,10 +152,13 @@ class EngineClient:
         *,
         json_body: Any = None,
         headers: dict[str, str] | None = None,
+        deadline: float | None = None,
     ) -> Answer | NoAnswer:
-        """One request with a deadline over the whole answer, and a bounded read."""
+        """One request with a deadline over the whole answer (``deadline`` seconds, else the
+        client's timeout), and a bounded read."""
+        seconds = self.timeout if deadline is None else deadline
         try:
-            return await self._read(method, path, json_body, headers)
+            return await self._read(method, path, json_body, headers, seconds)
         except (
             TimeoutError,
             BodyTooLarge,
@@ -165,13 +168,20 @@ class EngineClient:
             ValueError,
         ) as exc:
             # ValueError: a body or header httpx cannot encode. Never let one kill the monitor.
-            return _no_answer(exc, self.timeout)
+            return _no_answer(exc, seconds)
 
     async def _read(
-        self, method: str, path: str, json_body: Any, headers: dict[str, str] | None
+        self,
+        method: str,
+        path: str,
+        json_body: Any,
+        headers: dict[str, str] | None,
+        seconds: float,
     ) -> Answer:
-        async with asyncio.timeout(self.timeout):
-            request = self._http.build_request(method, path, json=json_body, headers=headers)
+        async with asyncio.timeout(seconds):
+            request = self._http.build_request(
+                method, path, json=json_body, headers=headers, timeout=httpx.Timeout(seconds)
+            )
             response = await self._http.send(request, stream=True)
             try:
                 declared = response.headers.get("content-length")
@@ -219,7 +229,28 @@ class EngineClient:
                 Outcome.INVALID, f"body is not valid JSON ({len(answer.body)} bytes)"
             )
 
-    async def canary(self, plan: CanaryPlan, request: CanaryRequest) -> Result:
+    async def send(self, request: CanaryRequest, deadline: float) -> Answer | NoAnswer:
+        """Send one request the prober built (an abort of a timed-out canary) with its own
+        deadline, or a bodiless check; the reason of a missing answer has secrets scrubbed."""
+        headers = dict(request.headers)
+        if request.request_id:
+            headers["X-Request-Id"] = request.request_id
+        answer = await self._exchange(
+            request.method,
+            request.path,
+            json_body=request.body or None,
+            headers=headers,
+            deadline=deadline,
+        )
+        if isinstance(answer, NoAnswer):
+            return NoAnswer(answer.outcome, self._redact(answer.reason))
+        return answer
+
+    async def canary(
+        self, plan: CanaryPlan, request: CanaryRequest, *, deadline: float | None = None
+    ) -> Result:
+        """Send a canary and judge its answer, with a deadline over the whole answer (the
+        client's timeout unless ``deadline`` says otherwise)."""
         started = self.clock()
 
         def result(
@@ -241,6 +272,7 @@ class EngineClient:
             request.path,
             json_body=request.body,
             headers={**request.headers, "X-Request-Id": request.request_id},
+            deadline=deadline,
         )
         if isinstance(answer, NoAnswer):
             return result(answer.outcome, answer.reason)
