@@ -45,6 +45,7 @@ from tests.support.engines import require
 from tests.support.harness import (
     LOOPBACK,
     ROOT,
+    Owned,
     Proc,
     base_env,
     descendants,
@@ -96,7 +97,7 @@ def rss_mb(pid: int) -> float | None:
     return None
 
 
-class DynamoVllmWorker:
+class DynamoVllmWorker(Owned):
     """``python -m dynamo.vllm`` with the tiny Llama, file discovery in ``kv_dir``, the TCP
     request plane and the ZMQ event plane, on loopback.
 
@@ -191,24 +192,10 @@ class DynamoVllmWorker:
 
     def start(self, *, wait: bool = True) -> DynamoVllmWorker:
         self.kv_dir.mkdir(parents=True, exist_ok=True)
-        self.started_at = time.monotonic()
-        self.proc = Proc(self.argv(), self.env(), self.name, nice=self.nice)
+        self.spawn(self.argv(), self.env(), self.name, nice=self.nice)
         if wait:
             self.wait_listed()
         return self
-
-    @property
-    def running(self) -> bool:
-        return self.proc is not None and self.proc.popen.poll() is None
-
-    def _check_alive(self) -> None:
-        assert self.proc is not None, "not started"
-        if self.proc.popen.poll() is not None:
-            raise AssertionError(f"{self.name} exited: {self.proc.output()[-3000:]}")
-
-    def since_start(self) -> float:
-        assert self.started_at is not None, "not started"
-        return time.monotonic() - self.started_at
 
     # --- identity -------------------------------------------------------------------------
     def metrics_text(self, timeout: float = 5) -> str:
@@ -258,14 +245,6 @@ class DynamoVllmWorker:
             if name == "python" and _RESOURCE_TRACKER in _cmdline(pid):
                 found[pid] = "resource_tracker"
         return found
-
-    def pid_of(self, title: str, timeout: float = 10) -> int:
-        """The pid of the process whose title starts with ``title``."""
-
-        def find() -> int | None:
-            return next((p for p, n in self.processes().items() if n.startswith(title)), None)
-
-        return wait_until(find, timeout, interval=0.1, what=f"{title} under {self.name}")
 
     def engine_core_pid(self) -> int:
         return self.pid_of(ENGINE_CORE)

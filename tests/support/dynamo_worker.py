@@ -26,7 +26,6 @@ import asyncio
 import json
 import os
 import re
-import signal
 import sys
 import tempfile
 import time
@@ -36,7 +35,7 @@ from typing import Any
 
 import httpx
 
-from tests.support.harness import LOOPBACK, Proc, base_env, free_port_in, wait_until
+from tests.support.harness import LOOPBACK, Owned, Proc, base_env, free_port_in, wait_until
 
 #: Start-up deadline of a worker or a client (they take 0.4-0.6 s on an idle machine).
 START_TIMEOUT = 30.0
@@ -108,7 +107,7 @@ def _read_port(path: Path) -> int | None:
         return None
 
 
-class FakeDynamoWorker:
+class FakeDynamoWorker(Owned):
     """``python -m fakeengine.dynamo``: a real Dynamo worker with a backend's role rules,
     its system server on a free port below 32768, its control server on another."""
 
@@ -174,7 +173,7 @@ class FakeDynamoWorker:
         if self.health_check_payload:
             argv.append("--health-check-payload")
         self.control_port, self._instance_id = None, None
-        self.proc = Proc(argv, self.env(), f"fakedynamo-{self.backend}-{self.mode}")
+        self.spawn(argv, self.env(), f"fakedynamo-{self.backend}-{self.mode}")
         return self
 
     def wait_started(self, timeout: float = START_TIMEOUT) -> FakeDynamoWorker:
@@ -225,21 +224,8 @@ class FakeDynamoWorker:
         answer.raise_for_status()
         return answer.json()
 
-    def freeze(self) -> None:
-        assert self.proc is not None
-        self.proc.signal(signal.SIGSTOP)
-
-    def thaw(self) -> None:
-        assert self.proc is not None
-        self.proc.signal(signal.SIGCONT)
-
-    def kill(self) -> None:
-        assert self.proc is not None
-        self.proc.kill()
-
     def close(self) -> None:
-        if self.proc is not None:
-            self.proc.stop()
+        super().close()
         self.http.close()
 
 

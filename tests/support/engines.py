@@ -9,13 +9,20 @@ fail instead, since ``.ci/run`` prepares the engines first.
 from __future__ import annotations
 
 import os
-import signal
 import tempfile
 from pathlib import Path
 
 import httpx
 
-from tests.support.harness import LOOPBACK, Proc, base_env, free_port, free_port_in, wait_until
+from tests.support.harness import (
+    LOOPBACK,
+    Owned,
+    Proc,
+    base_env,
+    free_port,
+    free_port_in,
+    wait_until,
+)
 from tests.support.prerequisites import missing as prerequisite_missing
 
 PREPARE = "scripts/prepare_engines.sh"
@@ -46,7 +53,7 @@ def require(*keys: str) -> dict[str, str]:
     return paths
 
 
-class LlamaServer:
+class LlamaServer(Owned):
     """llama.cpp's llama-server on a free loopback port; restartable on the same port."""
 
     def __init__(self, model: str, *extra: str) -> None:
@@ -65,7 +72,7 @@ class LlamaServer:
         argv = [self.paths["LLAMA_SERVER_BIN"], "-m", model_path, "--alias", "tiny"]
         argv += ["--host", LOOPBACK, "--port", str(self.port), "-c", "512", "-t", "1"]
         argv += ["-np", "1", "--metrics", *self.extra]
-        self.proc = Proc(argv, base_env(), "llama-server")
+        self.spawn(argv, base_env(), "llama-server")
         if wait:
             self.wait_ready()
         return self
@@ -79,22 +86,6 @@ class LlamaServer:
                 return client.get(f"{self.url}/health").status_code == 200
 
         wait_until(ready, timeout, what="llama-server to load")
-
-    def freeze(self) -> None:
-        assert self.proc is not None
-        self.proc.signal(signal.SIGSTOP)
-
-    def thaw(self) -> None:
-        assert self.proc is not None
-        self.proc.signal(signal.SIGCONT)
-
-    def kill(self) -> None:
-        assert self.proc is not None
-        self.proc.kill()
-
-    def close(self) -> None:
-        if self.proc is not None:
-            self.proc.stop()
 
 
 class Dynamo:
@@ -189,7 +180,7 @@ class Dynamo:
                 proc.stop()
 
 
-class MockerWorker:
+class MockerWorker(Owned):
     """One Dynamo mocker worker (``python -m dynamo.mocker``, the real worker of ai-dynamo with a
     simulated engine) on the request plane: file discovery in ``kv_dir`` (workers sharing it are
     one deployment), TCP request plane, its system server on a free port below 32768. Dynamo's
@@ -220,7 +211,7 @@ class MockerWorker:
         argv = [python, "-m", "dynamo.mocker", "--model-path", model, "--model-name", "tiny"]
         argv += ["--discovery-backend", "file", "--request-plane", "tcp", "--event-plane", "zmq"]
         env = self.env | {"DYN_SYSTEM_PORT": str(self.system_port)}
-        self.proc = Proc([*argv, *self.extra], env, f"dynamo-mocker-{self.name}")
+        self.spawn([*argv, *self.extra], env, f"dynamo-mocker-{self.name}")
 
         def served() -> list[int]:
             assert self.proc is not None
@@ -247,19 +238,3 @@ class MockerWorker:
         assert self.instance_id is not None
         name = f"dynamo%2Fbackend%2Fgenerate%2F{self.instance_id:x}"
         return self.kv_dir / "v1" / "instances" / name
-
-    def freeze(self) -> None:
-        assert self.proc is not None
-        self.proc.signal(signal.SIGSTOP)
-
-    def thaw(self) -> None:
-        assert self.proc is not None
-        self.proc.signal(signal.SIGCONT)
-
-    def kill(self) -> None:
-        assert self.proc is not None
-        self.proc.kill()
-
-    def close(self) -> None:
-        if self.proc is not None:
-            self.proc.stop()

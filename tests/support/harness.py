@@ -129,6 +129,63 @@ class Proc:
         self.popen.wait(5)
 
 
+class Owned:
+    """A process a test started and owns (an engine, a worker): its state, and what a test does to
+    it, always by its process group. Subclasses set ``proc`` with :meth:`spawn`."""
+
+    proc: Proc | None = None
+    started_at: float | None = None
+
+    def spawn(self, argv: list[str], env: dict[str, str], name: str, nice: int = 0) -> Proc:
+        self.started_at = time.monotonic()
+        self.proc = Proc(argv, env, name, nice=nice)
+        return self.proc
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.popen.poll() is None
+
+    def _check_alive(self) -> None:
+        """Fail at once, with its output, when the process has exited."""
+        assert self.proc is not None, "not started"
+        if self.proc.popen.poll() is not None:
+            raise AssertionError(f"{self.proc.name} exited: {self.proc.output()[-3000:]}")
+
+    def since_start(self) -> float:
+        assert self.started_at is not None, "not started"
+        return time.monotonic() - self.started_at
+
+    def processes(self) -> dict[int, str]:
+        """Its process and descendants: pid -> process title."""
+        assert self.proc is not None
+        return descendants(self.proc.pid)
+
+    def pid_of(self, title: str, timeout: float = 10) -> int:
+        """The pid of the descendant whose process title starts with ``title``."""
+        assert self.proc is not None
+
+        def find() -> int | None:
+            return next((p for p, n in self.processes().items() if n.startswith(title)), None)
+
+        return wait_until(find, timeout, interval=0.1, what=f"{title} under {self.proc.name}")
+
+    def freeze(self) -> None:
+        assert self.proc is not None
+        self.proc.signal(signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        assert self.proc is not None
+        self.proc.signal(signal.SIGCONT)
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.kill()
+
+    def close(self) -> None:
+        if self.proc is not None:
+            self.proc.stop()
+
+
 def _comm_and_cmdline(pid: int) -> tuple[str, str]:
     try:
         comm = Path(f"/proc/{pid}/comm").read_text().strip()

@@ -52,6 +52,7 @@ import httpx
 from tests.support.engines import require
 from tests.support.harness import (
     LOOPBACK,
+    Owned,
     Proc,
     Sidecar,
     base_env,
@@ -127,7 +128,7 @@ def canary_body(
     return body
 
 
-class SglangServer:
+class SglangServer(Owned):
     """``python -m sglang.launch_server`` on a free loopback port, in ``mode`` "aggregated",
     "decode" (fake transfer backend) or "prefill" (mooncake_tcp, its own bootstrap port);
     ``dp_size`` 2 runs two data-parallel schedulers on the same two cores."""
@@ -204,20 +205,10 @@ class SglangServer:
         return argv + self.extra
 
     def start(self, *, wait: bool = True, timeout: float = START_TIMEOUT) -> SglangServer:
-        self.started_at = time.monotonic()
-        self.proc = Proc(self.argv(), self.env(), self.name, nice=self.nice)
+        self.spawn(self.argv(), self.env(), self.name, nice=self.nice)
         if wait:
             self.wait_ready(timeout)
         return self
-
-    @property
-    def running(self) -> bool:
-        return self.proc is not None and self.proc.popen.poll() is None
-
-    def _check_alive(self) -> None:
-        assert self.proc is not None, "not started"
-        if self.proc.popen.poll() is not None:
-            raise AssertionError(f"{self.name} exited: {self.proc.output()[-3000:]}")
 
     def wait_ready(self, timeout: float = START_TIMEOUT) -> float:
         """Wait for the model in ``/v1/models`` (200), then ``/health`` 200 (a 1-token generation

@@ -27,7 +27,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from sidecar.probes.transfer import REMOTE_DECODE
 from tests.support.engines import require
-from tests.support.harness import LOOPBACK, Proc, base_env, descendants, free_port, wait_until
+from tests.support.harness import (
+    LOOPBACK,
+    Owned,
+    Proc,
+    base_env,
+    free_port,
+    wait_until,
+)
 
 MODEL = "tiny"
 MAX_MODEL_LEN = 512
@@ -66,7 +73,7 @@ def total(parsed: dict[tuple[str, frozenset[tuple[str, str]]], float], name: str
     return sum(v for (n, ls), v in parsed.items() if n == name and want <= ls)
 
 
-class VllmServer:
+class VllmServer(Owned):
     """``python -m vllm.entrypoints.openai.api_server`` on a free loopback port.
 
     ``role`` is "aggregated", or "prefill" / "decode" for an instance with NIXL's KV connector
@@ -143,20 +150,10 @@ class VllmServer:
         return argv + self.extra
 
     def start(self, *, wait: bool = True) -> VllmServer:
-        self.started_at = time.monotonic()
-        self.proc = Proc(self.argv(), self.env(), self.name, nice=self.nice)
+        self.spawn(self.argv(), self.env(), self.name, nice=self.nice)
         if wait:
             self.wait_ready()
         return self
-
-    @property
-    def running(self) -> bool:
-        return self.proc is not None and self.proc.popen.poll() is None
-
-    def _check_alive(self) -> None:
-        assert self.proc is not None, "not started"
-        if self.proc.popen.poll() is not None:
-            raise AssertionError(f"{self.name} exited: {self.proc.output()[-3000:]}")
 
     def wait_ready(self, timeout: float = START_TIMEOUT) -> float:
         """Wait for /health 200 and the model in /v1/models; return seconds since start."""
@@ -174,18 +171,6 @@ class VllmServer:
         return self.ready_after
 
     # --- processes ------------------------------------------------------------------------
-    def processes(self) -> dict[int, str]:
-        assert self.proc is not None
-        return descendants(self.proc.pid)
-
-    def pid_of(self, title: str, timeout: float = 10) -> int:
-        """The pid of the descendant whose process title starts with ``title``."""
-
-        def find() -> int | None:
-            return next((p for p, n in self.processes().items() if n.startswith(title)), None)
-
-        return wait_until(find, timeout, interval=0.1, what=f"{title} under {self.name}")
-
     def engine_core_pid(self) -> int:
         return self.pid_of(ENGINE_CORE)
 
