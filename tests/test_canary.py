@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import pytest
 
-from sidecar.config import Settings
+from sidecar.config import Settings, load_settings
+from sidecar.core.evidence.result import Outcome
 from sidecar.probes import plan_canary
+from sidecar.probes.http import HttpCanary
+from sidecar.runtime.engine import NoAnswer
 
 ON = {"DYN_HEALTH_CHECK_ENABLED": "true"}
 
@@ -155,3 +161,45 @@ def test_answer_checks(backend, mode, answer, problem):
     else:
         assert found is not None
         assert problem in found
+
+
+class _FrozenServer:
+    """An engine client whose server accepts and never answers (llama-server frozen whole)."""
+
+    def __init__(self) -> None:
+        self.timeout = 0.05
+        self.sent = 0
+
+    def clock(self) -> float:
+        return time.monotonic()
+
+    async def canary(self, plan: object, request: object, *, deadline: float | None = None):
+        self.sent += 1
+        await asyncio.sleep(3600)
+
+    async def send(self, request: object, deadline: float) -> NoAnswer:
+        return NoAnswer(Outcome.TIMEOUT, "no answer")
+
+
+def test_a_kept_canary_is_the_only_one_sent_and_ends_with_its_probe(monkeypatch) -> None:
+    """The openai (llama-server) probe keeps its timed-out canary on the connection: later
+    probes send no other while it waits, and closing the probe cancels it (no task outlives the
+    monitor)."""
+    for field in Settings.model_fields.values():
+        monkeypatch.delenv(str(field.validation_alias), raising=False)
+    monkeypatch.setenv("DYN_HEALTH_CHECK_ENABLED", "true")
+    monkeypatch.setenv("SIDECAR_BACKEND", "openai")
+    monkeypatch.setenv("SIDECAR_MODEL", "tiny")
+    plan = plan_canary(load_settings())
+
+    async def main() -> None:
+        engine = _FrozenServer()
+        probe = HttpCanary(engine)  # type: ignore[arg-type]
+        results = [await probe(plan, plan.request("tiny", f"canary-{n}"), "tiny") for n in range(3)]
+        assert [r.outcome for r in results] == [Outcome.TIMEOUT] * 3
+        assert {r.request_id for r in results} == {"canary-0"}  # the one still on the engine
+        assert engine.sent == 1
+        await probe.aclose()
+        assert asyncio.all_tasks() == {asyncio.current_task()}
+
+    asyncio.run(main())

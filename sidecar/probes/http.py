@@ -54,6 +54,14 @@ class HttpCanary:
         # The last aborts sent and what each got: (request id, "HTTP 200" or why none came).
         self.aborts: list[tuple[str, str]] = []
 
+    async def aclose(self) -> None:
+        """Cancel the canaries still kept on their connections, and wait for them to end."""
+        tasks = [task for task, _ in self._kept.values()]
+        self._kept.clear()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
     async def __call__(self, plan: CanaryPlan, request: CanaryRequest, model: str | None) -> Result:
         if plan.prober.keeps_abandoned:
             return await self._kept_canary(plan, request)

@@ -43,3 +43,7 @@ class Probe(Protocol):
     async def __call__(
         self, plan: CanaryPlan, request: CanaryRequest, model: str | None
     ) -> Result: ...
+
+    async def aclose(self) -> None:
+        """Stop what the probe still owns (a canary kept on its connection, its own clients)."""
+        ...

@@ -221,11 +221,11 @@ class MonitorThread:
         try:
             await monitor.run()
         finally:
+            for each in monitor.probes.values():  # before the clients they send through
+                await each.aclose()
             await client.aclose()
             if plane is not None:
                 await plane.aclose()
-            if probe is not None:
-                await probe.aclose()
             self.finished.set()
 
     def start(self) -> asyncio.Future[None]:

@@ -16,5 +16,9 @@ class DynamoCanary:
     def __init__(self, worker: DynamoWorker) -> None:
         self.worker = worker
 
+    async def aclose(self) -> None:
+        """Nothing to stop: each canary's context ends with its call (the runtime is closed by
+        its owner)."""
+
     async def __call__(self, plan: CanaryPlan, request: CanaryRequest, model: str | None) -> Result:
         return await self.worker.canary(plan, request)
