@@ -3,6 +3,8 @@ snapshot after and the events it caused out. No clock, no I/O: tested as tables.
 
 from __future__ import annotations
 
+from typing import get_args
+
 import pytest
 
 from sidecar.config import Settings, load_settings
@@ -19,7 +21,7 @@ from sidecar.core.observations import (
     Registered,
 )
 from sidecar.core.snapshot import Snapshot, readiness_of
-from sidecar.core.step import step
+from sidecar.core.step import _STEPS, step
 from sidecar.probes import plan_canary
 from sidecar.runtime.health import Health
 
@@ -148,3 +150,7 @@ def test_the_step_is_pure(monkeypatch):
     assert once == again
     assert not snap.endpoints["generate"].registration.registered  # the input is unchanged
     assert once.snapshot.heartbeat == 1.5
+
+
+def test_every_kind_of_observation_has_its_step():
+    assert set(get_args(Observation)) == set(_STEPS)

@@ -11,8 +11,9 @@ come in with the call, so every step can be tested as a table.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
+from typing import Any
 
 from sidecar.core.endpoint import (
     EndpointState,
@@ -66,6 +67,8 @@ class _Changes:
         self.endpoints: dict[str, EndpointState] = dict(snap.endpoints)
         self.events: list[Event] = []
         self.told_progress = snap.told_progress
+        self.models: Mapping[str, str | None] = snap.models
+        self.draining = snap.draining
 
     def say(self, text: str, level: int = logging.INFO, unit: str | None = None) -> None:
         self.events.append(note(text, level, unit))
@@ -90,122 +93,130 @@ class _Changes:
 def step(snap: Snapshot, obs: Observation, now: float) -> Stepped:
     """Hand ``obs`` to its source; the new snapshot (stamped ``now``) and its events."""
     changes = _Changes(snap, now)
-    models, draining = snap.models, snap.draining
-    match obs:
-        case ModelServed(unit, model):
-            if snap.models[unit] != model:
-                changes.say(f"{unit}: served model is {model!r} (from GET /v1/models)", unit=unit)
-                models = {**snap.models, unit: model}
-        case DrainAsked():
-            draining = True
-        case Heartbeat():
-            pass
-        case MaintenanceDeclared(reason, seconds, wall):
-            for unit, ep in snap.endpoints.items():
-                after = lifecycle.start_maintenance(ep.lifecycle, reason, seconds, now, wall)
-                if ep.lifecycle.maintenance is not None:
-                    changes.say(f"{unit}: maintenance window replaced: {after.reason(now)}")
-                changes.pause_change(unit, ep.lifecycle, after)
-        case MaintenanceOver(why):
-            for unit, ep in snap.endpoints.items():
-                if ep.lifecycle.maintenance is not None:
-                    after = lifecycle.end_maintenance(ep.lifecycle, now)
-                    changes.pause_change(unit, ep.lifecycle, after, f"maintenance ended: {why}")
-        case _:
-            _unit_step(changes, obs)
-    return _published(snap, changes, models, draining)
+    _STEPS[type(obs)](changes, obs)
+    return _published(snap, changes)
 
 
-def _unit_step(changes: _Changes, obs: Observation) -> None:
-    """An observation about one unit, to that unit's source."""
-    snap, now = changes.snap, changes.now
-    match obs:
-        case Registered(unit, result):
-            before = snap.endpoints[unit]
-            after = apply_registration(before, result, snap.policy)
-            was, is_ = before.registration, after.registration
-            if was.registered != is_.registered:
-                said = "registered" if is_.registered else "deregistered"
-                changes.say(f"{unit}: engine {said} ({is_.reason})", unit=unit)
-            elif is_.note and is_.note != was.note:
-                changes.say(f"{unit}: {is_.reason}", unit=unit)
-            changes.endpoints[unit] = after
-        case CanaryDone(unit):
-            _canary_step(changes, obs)
-        case ProgressRead(unit, sample, why, spec, own):
-            after = apply_sample(snap.endpoints[unit], sample, why, spec, own)
-            said = (after.progress.readable, after.progress.why)
-            if snap.told_progress.get(unit) != said:  # once per change, not per incarnation
-                changes.told_progress = {**changes.told_progress, unit: said}
-                if after.progress.readable:
-                    changes.say(f"{unit}: engine progress: {after.progress.why}", unit=unit)
-                else:
-                    changes.say(
-                        f"{unit}: engine progress unknown ({after.progress.why}); "
-                        "the canary alone decides",
-                        unit=unit,
-                    )
-            changes.endpoints[unit] = after
-        case SleepSaid(unit, sleeping, why, gauge, missing):
-            before = snap.endpoints[unit].lifecycle
-            if gauge:
-                after_lc = lifecycle.on_sleep_gauge(before, sleeping, why, now)
-            else:
-                after_lc = lifecycle.on_sleep_route(before, sleeping, why, now, missing=missing)
-                if missing and not before.sleep_route_missing:
-                    changes.say(f"{unit}: {why}; its sleep state is not asked again", unit=unit)
-            changes.pause_change(unit, before, after_lc)
-        case FaultsSaid(unit, rank, report, missing):
-            before = snap.endpoints[unit]
-            after = apply_faults(before, rank, report, now, missing=missing)
-            was, is_ = before.faults, after.faults
-            if is_.missing and not was.missing:
-                changes.say(
-                    f"{unit}: the engine serves no fault-tolerance status (404); not asked again",
-                    unit=unit,
-                )
-            elif not is_.healthy and (was.report != is_.report or was.rank != is_.rank):
-                changes.say(f"{unit}: {is_.reason()}", logging.WARNING, unit)
-            elif is_.healthy and not was.healthy:
-                changes.say(
-                    f"{unit}: vLLM fault tolerance: the engine reports healthy again; a canary "
-                    "proves it before it is ready",
-                    unit=unit,
-                )
-            changes.endpoints[unit] = after
-        case TransfersRead(unit, sample):
-            before = snap.endpoints[unit]
-            after = apply_transfers(before, sample)
-            was, is_ = before.transfers.failing(now), after.transfers.failing(now)
-            if is_ and not was:
-                text = after.transfers.note(now).removeprefix("; ")
-                changes.say(f"{unit}: {text}", logging.WARNING, unit)
-            elif was and not is_:
-                changes.say(
-                    f"{unit}: KV transfers from prefill peers: no failure for {WINDOW:g} s",
-                    unit=unit,
-                )
-            changes.endpoints[unit] = after
-        case DiscoverySaid(unit, listed, instance, where):
-            before = snap.endpoints[unit]
-            after = apply_discovery(before, listed, instance, now, where)
-            d0, d1 = before.discovery, after.discovery
-            if d1.listed is False and (d0.listed is not False or d0.instance != d1.instance):
-                changes.say(f"{unit}: {d1.reason()}", logging.WARNING, unit)
-            elif d1.listed and d0.listed is False and d0.instance == d1.instance:
-                changes.say(f"{unit}: {d1.instance} is listed by {d1.where} again", unit=unit)
-            changes.endpoints[unit] = after
-        case EngineHealthSaid(unit, status_code, status, detail):
-            before = snap.endpoints[unit]
-            after = apply_engine_health(before, status_code, status, detail, now)
-            if after.engine_health.says_ready != before.engine_health.says_ready:
-                changes.say(f"{unit}: the engine's own health route: {detail}", unit=unit)
-            changes.endpoints[unit] = after
-        case _:  # pragma: no cover - every observation is matched above or in step()
-            raise TypeError(f"not an observation: {obs!r}")
+# --- the worker as a whole ----------------------------------------------------------------------
+def _model(c: _Changes, obs: ModelServed) -> None:
+    if c.snap.models[obs.unit] != obs.model:
+        c.say(f"{obs.unit}: served model is {obs.model!r} (from GET /v1/models)", unit=obs.unit)
+        c.models = {**c.snap.models, obs.unit: obs.model}
 
 
-def _canary_step(changes: _Changes, obs: CanaryDone) -> None:
+def _drain(c: _Changes, obs: DrainAsked) -> None:
+    c.draining = True
+
+
+def _heartbeat(c: _Changes, obs: Heartbeat) -> None:
+    """Nothing changes but the time: liveness, which time alone changes, is told if it did."""
+
+
+def _window(c: _Changes, obs: MaintenanceDeclared) -> None:
+    for unit, ep in c.snap.endpoints.items():
+        after = lifecycle.start_maintenance(ep.lifecycle, obs.reason, obs.seconds, c.now, obs.wall)
+        if ep.lifecycle.maintenance is not None:
+            c.say(f"{unit}: maintenance window replaced: {after.reason(c.now)}")
+        c.pause_change(unit, ep.lifecycle, after)
+
+
+def _window_over(c: _Changes, obs: MaintenanceOver) -> None:
+    for unit, ep in c.snap.endpoints.items():
+        if ep.lifecycle.maintenance is not None:
+            after = lifecycle.end_maintenance(ep.lifecycle, c.now)
+            c.pause_change(unit, ep.lifecycle, after, f"maintenance ended: {obs.why}")
+
+
+# --- one unit's sources -------------------------------------------------------------------------
+def _registered(c: _Changes, obs: Registered) -> None:
+    unit, before = obs.unit, c.snap.endpoints[obs.unit]
+    after = apply_registration(before, obs.result, c.snap.policy)
+    was, is_ = before.registration, after.registration
+    if was.registered != is_.registered:
+        said = "registered" if is_.registered else "deregistered"
+        c.say(f"{unit}: engine {said} ({is_.reason})", unit=unit)
+    elif is_.note and is_.note != was.note:
+        c.say(f"{unit}: {is_.reason}", unit=unit)
+    c.endpoints[unit] = after
+
+
+def _progress(c: _Changes, obs: ProgressRead) -> None:
+    unit = obs.unit
+    after = apply_sample(c.snap.endpoints[unit], obs.sample, obs.why, obs.spec, obs.own)
+    said = (after.progress.readable, after.progress.why)
+    if c.snap.told_progress.get(unit) != said:  # once per change, not per incarnation
+        c.told_progress = {**c.told_progress, unit: said}
+        if after.progress.readable:
+            c.say(f"{unit}: engine progress: {after.progress.why}", unit=unit)
+        else:
+            c.say(
+                f"{unit}: engine progress unknown ({after.progress.why}); the canary alone decides",
+                unit=unit,
+            )
+    c.endpoints[unit] = after
+
+
+def _sleep(c: _Changes, obs: SleepSaid) -> None:
+    unit, before = obs.unit, c.snap.endpoints[obs.unit].lifecycle
+    if obs.gauge:
+        after = lifecycle.on_sleep_gauge(before, obs.sleeping, obs.why, c.now)
+    else:
+        after = lifecycle.on_sleep_route(before, obs.sleeping, obs.why, c.now, missing=obs.missing)
+        if obs.missing and not before.sleep_route_missing:
+            c.say(f"{unit}: {obs.why}; its sleep state is not asked again", unit=unit)
+    c.pause_change(unit, before, after)
+
+
+def _faults(c: _Changes, obs: FaultsSaid) -> None:
+    unit, before = obs.unit, c.snap.endpoints[obs.unit]
+    after = apply_faults(before, obs.rank, obs.report, c.now, missing=obs.missing)
+    was, is_ = before.faults, after.faults
+    if is_.missing and not was.missing:
+        c.say(
+            f"{unit}: the engine serves no fault-tolerance status (404); not asked again", unit=unit
+        )
+    elif not is_.healthy and (was.report != is_.report or was.rank != is_.rank):
+        c.say(f"{unit}: {is_.reason()}", logging.WARNING, unit)
+    elif is_.healthy and not was.healthy:
+        c.say(
+            f"{unit}: vLLM fault tolerance: the engine reports healthy again; a canary proves it "
+            "before it is ready",
+            unit=unit,
+        )
+    c.endpoints[unit] = after
+
+
+def _transfers(c: _Changes, obs: TransfersRead) -> None:
+    unit, before = obs.unit, c.snap.endpoints[obs.unit]
+    after = apply_transfers(before, obs.sample)
+    was, is_ = before.transfers.failing(c.now), after.transfers.failing(c.now)
+    if is_ and not was:
+        c.say(f"{unit}: {after.transfers.note(c.now).removeprefix('; ')}", logging.WARNING, unit)
+    elif was and not is_:
+        c.say(f"{unit}: KV transfers from prefill peers: no failure for {WINDOW:g} s", unit=unit)
+    c.endpoints[unit] = after
+
+
+def _discovery(c: _Changes, obs: DiscoverySaid) -> None:
+    unit, before = obs.unit, c.snap.endpoints[obs.unit]
+    after = apply_discovery(before, obs.listed, obs.instance, c.now, obs.where)
+    d0, d1 = before.discovery, after.discovery
+    if d1.listed is False and (d0.listed is not False or d0.instance != d1.instance):
+        c.say(f"{unit}: {d1.reason()}", logging.WARNING, unit)
+    elif d1.listed and d0.listed is False and d0.instance == d1.instance:
+        c.say(f"{unit}: {d1.instance} is listed by {d1.where} again", unit=unit)
+    c.endpoints[unit] = after
+
+
+def _engine_health(c: _Changes, obs: EngineHealthSaid) -> None:
+    unit, before = obs.unit, c.snap.endpoints[obs.unit]
+    after = apply_engine_health(before, obs.status_code, obs.status, obs.detail, c.now)
+    if after.engine_health.says_ready != before.engine_health.says_ready:
+        c.say(f"{unit}: the engine's own health route: {obs.detail}", unit=unit)
+    c.endpoints[unit] = after
+
+
+def _canary(changes: _Changes, obs: CanaryDone) -> None:
     snap, unit = changes.snap, obs.unit
     before = snap.endpoints[unit]
     result = judged(before, obs.result, snap.policy)
@@ -240,12 +251,7 @@ def _canary_step(changes: _Changes, obs: CanaryDone) -> None:
     changes.endpoints[unit] = after
 
 
-def _published(
-    snap: Snapshot,
-    changes: _Changes,
-    models: Mapping[str, str | None],
-    draining: bool,
-) -> Stepped:
+def _published(snap: Snapshot, changes: _Changes) -> Stepped:
     """The new snapshot, and after the sources' notes the events of what it changed: each unit's
     verdict, its ranked endpoint's, the worker's readiness and liveness."""
     now = changes.now
@@ -254,8 +260,8 @@ def _published(
         snap,
         now,
         endpoints=changes.endpoints,
-        models=models,
-        draining=draining,
+        models=changes.models,
+        draining=changes.draining,
     )
     events = changes.events
     for unit in changed:
@@ -289,3 +295,22 @@ def _described(sample: ProgressSample | None) -> str:
     if sample is None:
         return "unread"
     return f"in flight {sample.in_flight}, counters {dict(sample.counters)}"
+
+
+# Each observation's step: one function per kind of observation (tests/test_step.py checks that
+# every kind in sidecar.core.observations.Observation has one).
+_STEPS: dict[type, Callable[[_Changes, Any], None]] = {
+    ModelServed: _model,
+    DrainAsked: _drain,
+    Heartbeat: _heartbeat,
+    MaintenanceDeclared: _window,
+    MaintenanceOver: _window_over,
+    Registered: _registered,
+    CanaryDone: _canary,
+    ProgressRead: _progress,
+    SleepSaid: _sleep,
+    FaultsSaid: _faults,
+    TransfersRead: _transfers,
+    DiscoverySaid: _discovery,
+    EngineHealthSaid: _engine_health,
+}
