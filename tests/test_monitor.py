@@ -24,7 +24,9 @@ from sidecar.probes import CanaryPlan, CanaryRequest, plan_canary
 from sidecar.runtime.engine import Answer
 from sidecar.runtime.health import Health, liveness_of, readiness_of
 from sidecar.runtime.monitor import Monitor
+from sidecar.surface.metrics import Metrics
 from sidecar.tools.probes import size
+from tests.support.exposition import metric
 
 VLLM_METRICS = """\
 vllm:num_requests_running{engine="0",model_name="tiny"} 0.0
@@ -323,6 +325,11 @@ def test_a_fault_the_engine_reports_is_notready_and_restarts_only_after_the_wind
         assert took <= s.registration_interval + 0.1
         verdict = health.snapshot.verdicts["generate"]
         assert verdict.reason == "vLLM fault tolerance: engine 0 reports unhealthy"
+        text = Metrics(health).exposition().decode()
+        assert (
+            metric(text, "health_sidecar_engine_fault", endpoint="generate", state="unhealthy") == 1
+        )
+        assert metric(text, "health_sidecar_engine_fault", endpoint="generate", state="dead") == 0
         started = loop.time()
         await until(lambda: not liveness_of(health.snapshot, loop.time()).live, 40)
         assert loop.time() - started == pytest.approx(30, abs=s.registration_interval + 0.1)

@@ -33,6 +33,7 @@ from sidecar.config import Settings
 from sidecar.core.endpoint import EndpointState
 from sidecar.core.events import Event
 from sidecar.core.events import Kind as EventKind
+from sidecar.core.evidence.faults import FAILED, PAUSED
 from sidecar.core.evidence.result import Outcome
 from sidecar.core.snapshot import Snapshot, liveness_of, readiness_of
 from sidecar.core.verdict import clocks, engine_disagrees
@@ -169,6 +170,15 @@ def _paused(_: Scrape, ep: EndpointState) -> Samples:
     )
 
 
+def _fault(_: Scrape, ep: EndpointState) -> Samples:
+    """One series per state vLLM's fault tolerance can report short of healthy, 1 for the one
+    it reports now; none where the engine reports nothing."""
+    report = ep.faults.report
+    if report is None:
+        return ()
+    return tuple(((state,), report.state == state) for state in sorted(FAILED | PAUSED))
+
+
 # The label every endpoint and unit row starts with; its value is the endpoint's (or unit's) name.
 EP = ("endpoint",)
 
@@ -202,6 +212,14 @@ ROWS: tuple[WorkerRow | EndpointRow | UnitRow, ...] = (
         "sleeping, the engine says it sleeps; maintenance, a window was declared).",
         (*EP, "state"),
         _paused,
+    ),
+    UnitRow(
+        "engine_fault",
+        "gauge",
+        "1 for the state short of healthy that vLLM's fault tolerance reports for the unit's "
+        "engine (state: unhealthy, dead, recovering, paused); absent without fault tolerance.",
+        (*EP, "state"),
+        _fault,
     ),
     UnitRow(
         "kv_transfer_failures",
