@@ -9,6 +9,8 @@ pure function that updates it.
 - :mod:`.lifecycle`: paused on purpose (asleep, in maintenance): notready and live, no canary.
 - :mod:`.discovery`: a Dynamo worker's instance listed by discovery (the orphan).
 - :mod:`.enginehealth`: a Dynamo worker's own /health, shown beside the verdict.
+- :mod:`.faults`: what vLLM's fault tolerance reports per rank (unhealthy, dead: notready and a
+  liveness clock; recovering, paused: notready and live, no canary).
 
 Every source consumes a :class:`~sidecar.core.evidence.result.Result` or a sample and owns its own
 fields; :mod:`sidecar.core.verdict` reads them all and decides, as one table.
