@@ -115,7 +115,12 @@ def _faults_line(plan: CanaryPlan, s: Settings) -> str:
 def _rank_lines(plan: CanaryPlan, s: Settings) -> list[str]:
     source = "SIDECAR_DP_RANKS" if s.dp_ranks is not None else "the default"
     if s.ranks == 1:
-        why = "" if s.dp_ranks is not None else f": {s.backend} over {s.transport} is not counted"
+        if s.dp_ranks is not None:
+            why = ""
+        elif s.transport is Transport.DYNAMO:
+            why = ": a Dynamo worker's ranks are not pinned over its request plane"
+        else:
+            why = f": {s.backend} cannot pin a canary to a rank"
         return [f"ranks          1 ({source}{why}): the server is checked as one"]
     prober = plan.prober
     pin = (
