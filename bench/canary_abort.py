@@ -2,15 +2,19 @@
 
     .venv/bin/python -m bench.canary_abort [--count 5] [--only ENGINE ...] [--out F] [--json F]
 
-For each engine (llama-server, vLLM, SGLang, the Dynamo mocker; prepared by
+For each engine (llama-server, vLLM, SGLang, the Dynamo mocker, dynamo.vllm; prepared by
 ``scripts/prepare_engines.sh``), one at a time on the shared machine and each ended by its
 process group: freeze what computes (SIGSTOP: llama-server whole, vLLM's EngineCore, SGLang's
-scheduler, the mocker whole), let ``--count`` canaries time out, stop the client, resume the
-engine (SIGCONT) and read the engine's own counters once they stand still
-(``tests/support/abandoned.py``). Two clients where the engine has an HTTP API:
+scheduler, the mocker whole, dynamo.vllm's EngineCore), let ``--count`` canaries time out, stop
+the client, resume the engine (SIGCONT) and read the engine's own counters once they stand still
+(``tests/support/abandoned.py``, which also builds each engine). Two clients where the engine
+has a client of its own:
 
 - a closing client: plain HTTP canaries (the sidecar's own body) with a 1 s deadline, the
-  connection closed on it, nothing else: what any prober that only closes does;
+  connection closed on it, nothing else: what any prober that only closes does; for dynamo.vllm
+  a Dynamo runtime client whose canaries (Dynamo's own vllm payload) drop their stream on the
+  deadline, with no ``stop_generating()``, the client alive until the counters are read (as
+  Dynamo's own in-process canary gives up);
 - the sidecar, started as users start it (canaries on, wait 1 s, timeout 0.5 s), which stops
   each timed-out canary the backend's way (docs/concepts/backends.md).
 
@@ -33,25 +37,27 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from bench._shared import code_version, load_average
-from sidecar.probes.base import PROMPT_TOKEN_IDS
 from tests.support.abandoned import (
-    SGLANG_NOTICE,
     Engine,
     Figures,
     by_closing_client,
     by_sidecar,
-    prometheus_reader,
+    dynamo_vllm_engine,
+    llama_engine,
+    mocker_engine,
+    sglang_engine,
+    vllm_engine,
 )
-from tests.support.dynamo_worker import sidecar_env as dynamo_sidecar_env
+from tests.support.dynamo_vllm import DynamoVllmWorker
 from tests.support.engines import LlamaServer, MockerWorker
 from tests.support.harness import ROOT, Sidecar
 from tests.support.netns import private_network, unavailable
-from tests.support.sglang_engine import SglangServer, sglang_env
-from tests.support.vllm_engine import VllmServer, pause, resume
+from tests.support.sglang_engine import SglangServer
+from tests.support.vllm_engine import VllmServer
 
 DEFAULT_OUT = ROOT / "docs" / "fault-benchmark-abort.md"
 BEGIN, END = "<!-- canary-abort:begin -->", "<!-- canary-abort:end -->"
-ENGINES = ("llama-server", "vllm", "sglang", "dynamo-mocker")
+ENGINES = ("llama-server", "vllm", "sglang", "dynamo-mocker", "dynamo-vllm")
 FAST = {"DYN_CANARY_WAIT_TIME": "1", "DYN_HEALTH_CHECK_REQUEST_TIMEOUT": "0.5"}
 
 
@@ -63,27 +69,7 @@ def start_sidecar(env: dict[str, str]) -> Sidecar:
 def llama() -> Iterator[Engine]:
     server = LlamaServer("TINY_GGUF").start()
     try:
-        yield Engine(
-            name="llama-server",
-            url=server.url,
-            sidecar_env={
-                "DYN_HEALTH_CHECK_ENABLED": "true",
-                "SIDECAR_BACKEND": "openai",
-                "SIDECAR_ENGINE_URL": server.url,
-            },
-            freeze=server.freeze,
-            thaw=server.thaw,
-            read=prometheus_reader(
-                f"{server.url}/metrics",
-                {"tokens_predicted": ("llamacpp:tokens_predicted_total", {})},
-            ),
-            computed_keys=("tokens_predicted",),
-            aborted_key=None,
-            plain=lambda i: (
-                "/v1/completions",
-                {"prompt": "Say OK.", "max_tokens": 1, "temperature": 0, "stream": False},
-            ),
-        )
+        yield llama_engine(server)
     finally:
         server.close()
 
@@ -91,44 +77,8 @@ def llama() -> Iterator[Engine]:
 @contextlib.contextmanager
 def vllm() -> Iterator[Engine]:
     server = VllmServer().start()
-    pid: list[int] = []
-
-    def freeze() -> None:
-        pid[:] = [server.engine_core_pid()]
-        pause(pid[0])
-
     try:
-        yield Engine(
-            name="vLLM",
-            url=server.url,
-            sidecar_env={
-                "DYN_HEALTH_CHECK_ENABLED": "true",
-                "SIDECAR_BACKEND": "vllm",
-                "SIDECAR_ENGINE_URL": server.url,
-            },
-            freeze=freeze,
-            thaw=lambda: resume(pid[0]),
-            read=prometheus_reader(
-                f"{server.url}/metrics",
-                {
-                    "finished": ("vllm:request_success_total", {}),
-                    "finished_abort": ("vllm:request_success_total", {"finished_reason": "abort"}),
-                    "generation_tokens": ("vllm:generation_tokens_total", {}),
-                },
-            ),
-            computed_keys=("finished",),
-            aborted_key="finished_abort",
-            plain=lambda i: (
-                "/v1/completions",
-                {
-                    "model": "tiny",
-                    "prompt": list(PROMPT_TOKEN_IDS),
-                    "max_tokens": 1,
-                    "temperature": 0,
-                    "ignore_eos": True,
-                },
-            ),
-        )
+        yield vllm_engine(server)
     finally:
         server.stop()
 
@@ -136,64 +86,27 @@ def vllm() -> Iterator[Engine]:
 @contextlib.contextmanager
 def sglang() -> Iterator[Engine]:
     server = SglangServer().start()
-    pid: list[int] = []
-
-    def freeze() -> None:
-        pid[:] = [server.scheduler_pids()[0]]
-        server.freeze(pid[0])
-
     try:
-        yield Engine(
-            name="SGLang",
-            url=server.url,
-            sidecar_env=sglang_env(server),
-            freeze=freeze,
-            thaw=lambda: server.thaw(pid[0]),
-            read=prometheus_reader(
-                f"{server.url}/metrics",
-                {
-                    "requests": ("sglang:num_requests_total", {}),
-                    "aborted": ("sglang:num_aborted_requests_total", {}),
-                },
-            ),
-            computed_keys=("requests",),
-            aborted_key="aborted",
-            settle=SGLANG_NOTICE,
-            plain=lambda i: (
-                "/generate",
-                {
-                    "input_ids": list(PROMPT_TOKEN_IDS),
-                    "sampling_params": {"max_new_tokens": 1, "temperature": 0, "ignore_eos": True},
-                    "rid": f"bench-{i}-{datetime.datetime.now().timestamp()}",
-                },
-            ),
-        )
+        yield sglang_engine(server)
     finally:
         server.close()
 
 
 @contextlib.contextmanager
 def mocker() -> Iterator[Engine]:
-    kv_dir = tempfile.mkdtemp(prefix="bench-abort-dynamo-")
-    worker = MockerWorker(kv_dir).start()
-    labels = {"dynamo_endpoint": "generate"}
+    worker = MockerWorker(tempfile.mkdtemp(prefix="bench-abort-dynamo-")).start()
     try:
-        yield Engine(
-            name="Dynamo mocker (request plane)",
-            url=worker.system_url,
-            sidecar_env=dynamo_sidecar_env(worker.system_url, kv_dir),
-            freeze=worker.freeze,
-            thaw=worker.thaw,
-            read=prometheus_reader(
-                f"{worker.system_url}/metrics",
-                {
-                    "requests": ("dynamo_component_requests_total", labels),
-                    "cancelled": ("dynamo_component_cancellation_total", labels),
-                },
-            ),
-            computed_keys=("requests",),
-            aborted_key="cancelled",
-        )
+        yield mocker_engine(worker)
+    finally:
+        worker.close()
+
+
+@contextlib.contextmanager
+def dynamo_vllm() -> Iterator[Engine]:
+    worker = DynamoVllmWorker(kv_dir=tempfile.mkdtemp(prefix="bench-abort-dynamo-vllm-"))
+    try:
+        worker.start()
+        yield dynamo_vllm_engine(worker)
     finally:
         worker.close()
 
@@ -203,12 +116,14 @@ STARTERS: dict[str, Callable[[], contextlib.AbstractContextManager[Engine]]] = {
     "vllm": vllm,
     "sglang": sglang,
     "dynamo-mocker": mocker,
+    "dynamo-vllm": dynamo_vllm,
 }
 FROZEN = {
     "llama-server": "the whole server",
     "vllm": "`VLLM::EngineCore`",
     "sglang": "`sglang::scheduler`",
     "dynamo-mocker": "the whole worker",
+    "dynamo-vllm": "`VLLM::EngineCore`",
 }
 COUNTERS = {
     "llama-server": "`llamacpp:tokens_predicted_total` (1 per canary); no abort counter",
@@ -217,6 +132,10 @@ COUNTERS = {
     "sglang": "`sglang:num_requests_total`, aborted: `sglang:num_aborted_requests_total`",
     "dynamo-mocker": "requests reaching the worker: `dynamo_component_requests_total`, "
     "cancelled: `dynamo_component_cancellation_total` (its simulated engine counts no tokens)",
+    "dynamo-vllm": "vLLM's own `vllm:request_success_total` (every `finished_reason`), as the "
+    "worker's system server re-exports it with `vllm:generation_tokens_total`; aborted: the "
+    "cancellations the worker received, `dynamo_component_cancellation_total`; the closing "
+    "client drops its stream without `stop_generating()` and stays alive",
 }
 
 
@@ -225,7 +144,7 @@ def run(names: list[str], count: int) -> list[tuple[str, Figures]]:
     for name in names:
         print(f"{name}: starting", file=sys.stderr)
         with STARTERS[name]() as engine:
-            if engine.plain is not None:
+            if engine.closable:
                 found.append((name, by_closing_client(engine, count)))
                 print(f"  {found[-1][1].row()}", file=sys.stderr)
             side = None
@@ -244,25 +163,78 @@ def run(names: list[str], count: int) -> list[tuple[str, Figures]]:
     return found
 
 
-def markdown(figures: list[tuple[str, Figures]], names: list[str], count: int, note: str) -> str:
-    command = ".venv/bin/python -m bench.canary_abort" + (f" --count {count}" if count != 5 else "")
+TABLE_HEAD = [
+    "| engine | frozen | client | canaries timed out | computed after SIGCONT | aborted "
+    "(engine's count) |",
+    "|---|---|---|---|---|---|",
+]
+ALONE = "Measured alone since (`--only ... --merge`), each replacing its engine's rows:"
+
+
+def command(count: int, only: list[str] | None = None) -> str:
+    line = ".venv/bin/python -m bench.canary_abort" + (f" --count {count}" if count != 5 else "")
+    return line + (f" --only {' '.join(only)} --merge" if only else "")
+
+
+def provenance(count: int, note: str, only: list[str] | None = None) -> str:
     when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    lines = [
-        f"`{command}` ({when}; {note})",
-        "",
-        "| engine | frozen | client | canaries timed out | computed after SIGCONT | aborted "
-        "(engine's count) |",
-        "|---|---|---|---|---|---|",
-    ]
+    return f"`{command(count, only)}` ({when}; {note})"
+
+
+def rows(figures: list[tuple[str, Figures]]) -> list[str]:
+    found = []
     for key, f in figures:
         aborted = "not counted" if f.aborted is None else str(f.aborted)
-        lines.append(
+        found.append(
             f"| {f.engine} | {FROZEN[key]} | {f.client} | {f.timed_out} | {f.computed} | "
             f"{aborted} |"
         )
-    lines += ["", "Counters read:", ""]
-    lines += [f"- {name}: {COUNTERS[name]}" for name in names]
+    return found
+
+
+def render(head: str, table: list[str], counters: list[str], alone: list[str]) -> str:
+    lines = [head, "", *TABLE_HEAD, *table, "", "Counters read:", "", *counters]
+    if alone:
+        lines += ["", ALONE, "", *alone]
     return "\n".join(lines) + "\n"
+
+
+def markdown(figures: list[tuple[str, Figures]], names: list[str], count: int, note: str) -> str:
+    counters = [f"- {name}: {COUNTERS[name]}" for name in names]
+    return render(provenance(count, note), rows(figures), counters, [])
+
+
+def merged(
+    old: str, figures: list[tuple[str, Figures]], names: list[str], count: int, note: str
+) -> str:
+    """The section ``old`` with the rows and counters of ``names`` replaced by ``figures``, and
+    a line saying when and how they were measured alone."""
+    lines = old.splitlines()
+    head = lines[0] if lines else provenance(count, note)
+    table = [line for line in lines if line.startswith("| ") and line not in TABLE_HEAD[:1]]
+    counters = [line for line in lines if line.startswith("- ") and ": " in line]
+    alone_from = lines.index(ALONE) if ALONE in lines else len(lines)
+    alone = [line for line in lines[alone_from:] if line.startswith("- ")]
+    counters = [line for line in counters if line not in alone]
+    engines = {f.engine for _, f in figures}
+    table = [line for line in table if line.split(" | ")[0][2:] not in engines] + rows(figures)
+    order = {name: i for i, name in enumerate(ENGINES)}
+
+    def key(line: str) -> int:
+        return order.get(line[2:].partition(":")[0], len(order))
+
+    mine = {f"- {name}:" for name in names}
+    counters = [line for line in counters if line.partition(" ")[2].partition(":")[0] not in names]
+    counters = sorted(counters + [f"- {name}: {COUNTERS[name]}" for name in names], key=key)
+    alone = [line for line in alone if not any(line.startswith(m) for m in mine)]
+    alone += [f"- {name}: {provenance(count, note, names)}" for name in names]
+    return render(head, table, counters, sorted(alone, key=key))
+
+
+def section_of(path: Path) -> str:
+    """The text between the markers of ``path`` (empty when there is none)."""
+    text = path.read_text() if path.exists() else ""
+    return text.partition(BEGIN)[2].partition(END)[0].strip("\n")
 
 
 def write(path: Path, section: str) -> None:
@@ -275,10 +247,17 @@ def write(path: Path, section: str) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.canary_abort")
     parser.add_argument("--count", type=int, default=5, help="canaries timed out per run")
-    parser.add_argument("--only", nargs="+", choices=ENGINES)
+    parser.add_argument("--only", nargs="+", choices=ENGINES, help="these engines alone")
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="with --only: replace those engines' rows in the page (or --out), keep the others",
+    )
     parser.add_argument("--out", type=Path)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    if args.merge and not args.only:
+        parser.error("--merge needs --only")
     why = unavailable()
     if why is not None:
         print(why, file=sys.stderr)
@@ -287,11 +266,14 @@ def main() -> int:
     note = f"load average {load_average()} at the start; code {code_version()}"
     with private_network():
         figures = run(names, args.count)
-    section = markdown(figures, names, args.count, note)
+    out = args.out or (None if args.only and not args.merge else DEFAULT_OUT)
+    if args.merge:
+        section = merged(section_of(out), figures, names, args.count, note)
+    else:
+        section = markdown(figures, names, args.count, note)
     print(section)
     if args.json is not None:
         args.json.write_text(json.dumps([f.row() for _, f in figures], indent=2))
-    out = args.out or (None if args.only else DEFAULT_OUT)
     if out is not None:
         write(out, section)
         print(f"wrote {shlex.quote(str(out))}", file=sys.stderr)

@@ -29,13 +29,23 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support.abandoned import Engine, Figures, by_sidecar, prometheus_reader
-from tests.support.dynamo_worker import sidecar_env as dynamo_sidecar_env
+from tests.support.abandoned import (
+    Engine,
+    Figures,
+    by_closing_client,
+    by_sidecar,
+    dynamo_vllm_engine,
+    llama_engine,
+    mocker_engine,
+    sglang_engine,
+    vllm_engine,
+)
+from tests.support.dynamo_vllm import DynamoVllmWorker
 from tests.support.engines import LlamaServer, MockerWorker
 from tests.support.harness import FakeEngine
 from tests.support.netns import isolated  # noqa: F401 - the module's namespace fixture
-from tests.support.sglang_engine import SglangServer, sglang_env, sglang_server
-from tests.support.vllm_engine import VllmServer, aggregated_vllm, pause, resume
+from tests.support.sglang_engine import SglangServer, sglang_server
+from tests.support.vllm_engine import VllmServer, aggregated_vllm
 
 COUNT = 3  # canaries timed out against each frozen engine
 
@@ -151,30 +161,7 @@ def test_fake_llama_server_with_its_http_alive_gets_each_canary_cancelled(engine
 def test_llama_server_computes_at_most_one(sidecar):
     server = LlamaServer("TINY_GGUF").start()
     try:
-        figures = by_sidecar(
-            Engine(
-                name="llama-server",
-                url=server.url,
-                sidecar_env={
-                    "DYN_HEALTH_CHECK_ENABLED": "true",
-                    "SIDECAR_BACKEND": "openai",
-                    "SIDECAR_ENGINE_URL": server.url,
-                },
-                freeze=server.freeze,
-                thaw=server.thaw,
-                read=prometheus_reader(
-                    f"{server.url}/metrics",
-                    {
-                        "tokens_predicted": ("llamacpp:tokens_predicted_total", {}),
-                        "prompt_tokens": ("llamacpp:prompt_tokens_total", {}),
-                    },
-                ),
-                computed_keys=("tokens_predicted",),
-                aborted_key=None,
-            ),
-            sidecar,
-            COUNT,
-        )
+        figures = by_sidecar(llama_engine(server), sidecar, COUNT)
     finally:
         server.close()
     show(figures)
@@ -186,37 +173,6 @@ def test_llama_server_computes_at_most_one(sidecar):
 def vllm() -> Iterator[VllmServer]:
     with aggregated_vllm() as server:
         yield server
-
-
-def vllm_engine(server: VllmServer) -> Engine:
-    pid: list[int] = []
-
-    def freeze() -> None:
-        pid[:] = [server.engine_core_pid()]
-        pause(pid[0])
-
-    return Engine(
-        name="vLLM",
-        url=server.url,
-        sidecar_env={
-            "DYN_HEALTH_CHECK_ENABLED": "true",
-            "SIDECAR_BACKEND": "vllm",
-            "SIDECAR_ENGINE_URL": server.url,
-        },
-        freeze=freeze,
-        thaw=lambda: resume(pid[0]),
-        read=prometheus_reader(
-            f"{server.url}/metrics",
-            {
-                "finished": ("vllm:request_success_total", {}),
-                "finished_abort": ("vllm:request_success_total", {"finished_reason": "abort"}),
-                "generation_tokens": ("vllm:generation_tokens_total", {}),
-                "prompt_tokens": ("vllm:prompt_tokens_total", {}),
-            },
-        ),
-        computed_keys=("finished",),
-        aborted_key="finished_abort",
-    )
 
 
 def test_vllm_aborts_timed_out_canaries(vllm, sidecar):
@@ -234,32 +190,6 @@ def sglang() -> Iterator[SglangServer]:
         yield server
 
 
-def sglang_engine(server: SglangServer) -> Engine:
-    pid: list[int] = []
-
-    def freeze() -> None:
-        pid[:] = [server.scheduler_pids()[0]]
-        server.freeze(pid[0])
-
-    return Engine(
-        name="SGLang",
-        url=server.url,
-        sidecar_env=sglang_env(server),
-        freeze=freeze,
-        thaw=lambda: server.thaw(pid[0]),
-        read=prometheus_reader(
-            f"{server.url}/metrics",
-            {
-                "requests": ("sglang:num_requests_total", {}),
-                "aborted": ("sglang:num_aborted_requests_total", {}),
-                "generation_tokens": ("sglang:generation_tokens_total", {}),
-            },
-        ),
-        computed_keys=("requests",),
-        aborted_key="aborted",
-    )
-
-
 def test_sglang_aborts_timed_out_canaries_by_rid(sglang, sidecar):
     figures = by_sidecar(sglang_engine(sglang), sidecar, COUNT)
     show(figures)
@@ -270,30 +200,9 @@ def test_sglang_aborts_timed_out_canaries_by_rid(sglang, sidecar):
 
 
 def test_dynamo_mocker_stops_timed_out_canaries(sidecar):
-    kv_dir = tempfile.mkdtemp(prefix="abort-dynamo-")
-    worker = MockerWorker(kv_dir).start()
-    labels = {"dynamo_endpoint": "generate"}
+    worker = MockerWorker(tempfile.mkdtemp(prefix="abort-dynamo-")).start()
     try:
-        figures = by_sidecar(
-            Engine(
-                name="Dynamo mocker",
-                url=worker.system_url,
-                sidecar_env=dynamo_sidecar_env(worker.system_url, kv_dir),
-                freeze=worker.freeze,
-                thaw=worker.thaw,
-                read=prometheus_reader(
-                    f"{worker.system_url}/metrics",
-                    {
-                        "requests": ("dynamo_component_requests_total", labels),
-                        "cancelled": ("dynamo_component_cancellation_total", labels),
-                    },
-                ),
-                computed_keys=("requests",),
-                aborted_key="cancelled",
-            ),
-            sidecar,
-            COUNT,
-        )
+        figures = by_sidecar(mocker_engine(worker), sidecar, COUNT)
     finally:
         worker.close()
     show(figures)
@@ -301,3 +210,31 @@ def test_dynamo_mocker_stops_timed_out_canaries(sidecar):
     # The whole worker frozen (its runtime too): the stops cannot reach it as cancellations,
     # and its requests arrive after SIGCONT. The sidecar sent one canary per timeout, no pile.
     assert figures.computed <= figures.timed_out + 1
+
+
+def test_dynamo_vllm_stops_timed_out_canaries(sidecar):
+    """The real ``python -m dynamo.vllm`` with its EngineCore frozen (its request plane alive, as
+    when the GPU loop hangs): the sidecar's ``stop_generating()`` reaches the worker, which aborts
+    the vLLM request before the engine's next step; a client that only drops its stream gets
+    every canary computed after SIGCONT. About a minute, most of it the worker's start."""
+    worker = DynamoVllmWorker(kv_dir=tempfile.mkdtemp(prefix="abort-dynamo-vllm-"))
+    try:
+        worker.start()
+        engine = dynamo_vllm_engine(worker)
+        stopped = by_sidecar(engine, sidecar, COUNT)
+        dropped = by_closing_client(engine, COUNT)
+    finally:
+        worker.close()
+    show(stopped)
+    show(dropped)
+    assert stopped.timed_out >= COUNT
+    assert stopped.computed <= 1
+    tokens = stopped.after["generation_tokens"] - stopped.before["generation_tokens"]
+    assert tokens <= 1
+    # Dynamo counts each stop it received as a cancellation (one that reached it after the
+    # sidecar had gone is not; measured once: 2 of 3).
+    assert stopped.aborted is not None
+    assert stopped.aborted >= stopped.timed_out - 1
+    # The contrast, so that the stop is what did it: dropped streams are all computed.
+    assert dropped.timed_out == COUNT
+    assert dropped.computed >= COUNT - 1

@@ -298,6 +298,23 @@ def dynamo_vllm_worker(
 
 
 # --- a direct canary client -----------------------------------------------------------------
+def _client_argv(
+    endpoint_path: str,
+    instance_id: int,
+    count: int,
+    timeout: float,
+    payload: dict[str, Any] | None,
+    *flags: str,
+) -> list[str]:
+    argv = [sys.executable, "-m", "tests.support.dynamo_vllm", "canary", endpoint_path]
+    argv += [str(instance_id), "--count", str(count), "--timeout", str(timeout)]
+    return [*argv, "--payload", json.dumps(payload or CANARY_PAYLOAD), *flags]
+
+
+def _client_env(kv_dir: str | os.PathLike[str]) -> dict[str, str]:
+    return base_env() | loopback_env(kv_dir) | {"DYN_SYSTEM_PORT": "-1"}
+
+
 def direct_canaries(
     kv_dir: str | os.PathLike[str],
     endpoint_path: str,
@@ -310,22 +327,12 @@ def direct_canaries(
     """Send ``count`` canaries, one at a time, straight to ``instance_id`` over the request
     plane, from a client process (this module run with the test's Python, which has
     ai-dynamo-runtime): one dict per canary with ``ok``, ``ms`` (from ``direct()`` to the last
-    chunk), ``chunks`` (their data) or ``error``. The client gets only the variables it needs
-    (``DYN_SYSTEM_PORT=-1``: no system server of its own)."""
-    env = base_env() | loopback_env(kv_dir) | {"DYN_SYSTEM_PORT": "-1"}
-    argv = [
-        sys.executable,
-        "-m",
-        "tests.support.dynamo_vllm",
-        "canary",
-        endpoint_path,
-        str(instance_id),
-    ]
-    argv += ["--count", str(count), "--timeout", str(timeout)]
-    argv += ["--payload", json.dumps(payload or CANARY_PAYLOAD)]
+    chunk), ``chunks`` (their data) or ``error``. On a failure (the deadline included) the client
+    calls ``Context.stop_generating()``, as the sidecar does. The client gets only the variables
+    it needs (``DYN_SYSTEM_PORT=-1``: no system server of its own)."""
     done = subprocess.run(
-        argv,
-        env=env,
+        _client_argv(endpoint_path, instance_id, count, timeout, payload),
+        env=_client_env(kv_dir),
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -334,6 +341,37 @@ def direct_canaries(
     )
     assert done.returncode == 0, f"canary client failed ({done.returncode}): {done.stderr[-3000:]}"
     return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+
+
+@contextlib.contextmanager
+def dropping_canaries(
+    kv_dir: str | os.PathLike[str],
+    endpoint_path: str,
+    instance_id: int,
+    *,
+    count: int,
+    timeout: float = 1.0,
+    payload: dict[str, Any] | None = None,
+) -> Iterator[list[dict[str, Any]]]:
+    """As :func:`direct_canaries`, from a client that on its deadline only drops the stream (its
+    task cancelled, no ``stop_generating()``) and stays alive afterwards, its runtime and
+    connections open, until the block ends (then it is ended by its process group): a prober
+    that merely gives up, such as Dynamo's own in-process canary. Yields the results once all
+    ``count`` are in."""
+    flags = ("--no-stop", "--linger")
+    argv = _client_argv(endpoint_path, instance_id, count, timeout, payload, *flags)
+    proc = Proc(argv, _client_env(kv_dir), "dynamo-vllm-dropping-client")
+
+    def results() -> list[dict[str, Any]] | None:
+        if proc.popen.poll() is not None:
+            raise AssertionError(f"canary client exited: {proc.output()[-3000:]}")
+        lines = [json.loads(line) for line in proc.output().splitlines() if line.startswith("{")]
+        return lines if len(lines) >= count else None
+
+    try:
+        yield wait_until(results, 60 + count * (timeout + 1), interval=0.05, what="the canaries")
+    finally:
+        proc.stop()
 
 
 def median_ms(results: list[dict[str, Any]]) -> float:
@@ -366,12 +404,15 @@ async def _canaries(args: argparse.Namespace) -> None:
             try:
                 await asyncio.wait_for(consume(), args.timeout)
             except Exception as exc:  # every failure is a line of output
-                context.stop_generating()
+                if args.stop:  # else the stream is only dropped
+                    context.stop_generating()
                 line = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "chunks": chunks}
             else:
                 line = {"ok": bool(chunks), "chunks": chunks}
             line["ms"] = (time.perf_counter() - begun) * 1000
             print(json.dumps(line), flush=True)
+        if args.linger:  # keep the runtime (and its connections) until the process is ended
+            await asyncio.Event().wait()
     finally:
         runtime.shutdown()
 
@@ -385,6 +426,15 @@ def main() -> None:
     canary.add_argument("--count", type=int, default=1)
     canary.add_argument("--timeout", type=float, default=10.0)
     canary.add_argument("--payload", default=json.dumps(CANARY_PAYLOAD))
+    canary.add_argument(
+        "--no-stop",
+        dest="stop",
+        action="store_false",
+        help="on a failure only drop the stream (no stop_generating)",
+    )
+    canary.add_argument(
+        "--linger", action="store_true", help="stay alive after the canaries until ended"
+    )
     asyncio.run(_canaries(parser.parse_args()))
 
 
