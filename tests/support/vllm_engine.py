@@ -10,6 +10,11 @@ Start-up takes about a minute on 2 cores, so tests share servers through module-
 A prefill or decode instance gets NIXL's KV connector on the CPU, UCX on ``lo``, its own NIXL
 side-channel port and the sitecustomize of ``VLLM_SITE_DIR`` (it calms NIXL's spinning progress
 thread, without which two instances starve each other on 2 cores).
+
+Fault tolerance (``--enable-fault-tolerance``) runs only with external-LB data parallel, one API
+server per rank, which vLLM allows only for MoE models: :func:`ft_pair` starts two such ranks of
+the tiny Mixtral (``VLLM_MOE_MODEL_DIR``), with the sitecustomize's opt-in parts that complete MoE
+data parallel on the CPU and inject a fault into a rank's engine step (:class:`FaultTolerantRank`).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import os
 import signal
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -88,9 +94,15 @@ class VllmServer(Owned):
         nice: int = ENGINE_NICE,
         extra: tuple[str, ...] = (),
         env: dict[str, str] | None = None,
+        model: str = "VLLM_MODEL_DIR",
+        site: bool = False,
     ) -> None:
-        keys = ("VLLM_PYTHON", "VLLM_MODEL_DIR")
-        if role != "aggregated":
+        # model: the engines.env key of the model directory; site: VLLM_SITE_DIR on PYTHONPATH
+        # (always for prefill and decode).
+        self.model_key = model
+        self.site = site or role != "aggregated"
+        keys = ("VLLM_PYTHON", model)
+        if self.site:
             keys += ("VLLM_SITE_DIR",)
         self.paths = require(*keys)
         self.role = role
@@ -129,15 +141,16 @@ class VllmServer(Owned):
                 "UCX_NET_DEVICES": "lo",
                 "VLLM_NIXL_SIDE_CHANNEL_HOST": LOOPBACK,
                 "VLLM_NIXL_SIDE_CHANNEL_PORT": str(self.side_channel_port),
-                "PYTHONPATH": os.pathsep.join(
-                    p for p in (self.paths["VLLM_SITE_DIR"], env.get("PYTHONPATH")) if p
-                ),
             }
+        if self.site:
+            env["PYTHONPATH"] = os.pathsep.join(
+                p for p in (self.paths["VLLM_SITE_DIR"], env.get("PYTHONPATH")) if p
+            )
         return env | self.extra_env
 
     def argv(self) -> list[str]:
         argv = [self.paths["VLLM_PYTHON"], "-m", "vllm.entrypoints.openai.api_server"]
-        argv += ["--model", self.paths["VLLM_MODEL_DIR"], "--served-model-name", MODEL]
+        argv += ["--model", self.paths[self.model_key], "--served-model-name", MODEL]
         argv += ["--max-model-len", str(MAX_MODEL_LEN), "--dtype", "float32"]
         argv += ["--host", LOOPBACK, "--port", str(self.port)]
         if self.kv_role:
@@ -291,3 +304,92 @@ def pd_pair() -> Iterator[tuple[VllmServer, VllmServer]]:
     finally:
         decode.stop()
         prefill.stop()
+
+
+# --- fault tolerance --------------------------------------------------------------------------
+FT_TRIGGER = "HEALTH_SIDECAR_FT_TRIGGER"  # scripts/vllm_sitecustomize: the fault trigger's file
+FT_FLAGS = (
+    "--enable-fault-tolerance",
+    # Fault tolerance's worker sentinel refuses any all2all backend but deepep_low_latency and
+    # nixl_ep (vllm/v1/worker/sentinel); the CPU communicator falls back to
+    # allgather_reducescatter whatever is asked ("`nixl_ep` all2all manager is not supported on
+    # CPU"), so the name is all that changes.
+    "--all2all-backend",
+    "nixl_ep",
+    # Compiled, the MoE layer's all-gather over per-rank token counts fails to trace ("Could not
+    # guard on data-dependent expression"); eager also starts sooner.
+    "--enforce-eager",
+)
+
+
+class FaultTolerantRank(VllmServer):
+    """One rank of an external-LB data-parallel pair (``--data-parallel-rank``, its own API
+    server) of the tiny Mixtral, with vLLM's fault tolerance on. :meth:`inject_fault` makes its
+    engine's next step raise (the sitecustomize's trigger), which vLLM's fault tolerance catches:
+    the engine aborts its requests and reports unhealthy until told to ``retry``."""
+
+    def __init__(self, rank: int, size: int, rpc_port: int, trigger_dir: Path) -> None:
+        self.rank = rank
+        self.trigger = trigger_dir / f"fault-rank{rank}"
+        dp = ["--data-parallel-size", str(size), "--data-parallel-rank", str(rank)]
+        dp += ["--data-parallel-address", LOOPBACK, "--data-parallel-rpc-port", str(rpc_port)]
+        super().__init__(
+            model="VLLM_MOE_MODEL_DIR",
+            site=True,
+            extra=(*dp, *FT_FLAGS),
+            env={FT_TRIGGER: str(self.trigger), "HEALTH_SIDECAR_CPU_MOE_DP": "1"},
+        )
+
+    @property
+    def name(self) -> str:
+        return f"vllm-ft-rank{self.rank}"
+
+    def inject_fault(self) -> None:
+        """Arm the trigger: the engine's next step raises RuntimeError (the file then goes)."""
+        self.trigger.touch()
+
+    @property
+    def fault_pending(self) -> bool:
+        return self.trigger.exists()
+
+    def ft_status(self, timeout: float = 2) -> dict[str, Any]:
+        """``GET /fault_tolerance/status``: {"engines": [{"id": rank, "status": ...}], ...}."""
+        answer = self.http.get(f"{self.url}/fault_tolerance/status", timeout=timeout)
+        answer.raise_for_status()
+        return answer.json()
+
+    def ft_state(self) -> str:
+        """This rank's engine's state in its own server's status ("healthy", "unhealthy", ...)."""
+        engines = {e["id"]: e for e in self.ft_status()["engines"]}
+        return str(engines[self.rank]["status"])
+
+    def retry(self) -> httpx.Response:
+        """``POST /fault_tolerance/apply {"instruction": "retry"}`` (202; recovery runs behind)."""
+        return self.http.post(
+            f"{self.url}/fault_tolerance/apply", json={"instruction": "retry"}, timeout=5
+        )
+
+
+@contextlib.contextmanager
+def ft_pair(trigger_dir: Path) -> Iterator[tuple[FaultTolerantRank, FaultTolerantRank]]:
+    """Ranks 0 and 1 of a fault-tolerant external-LB pair, started together (about 75 s on 2
+    cores) and each answering one completion; stopped on exit. Start it inside a private network
+    namespace: a Worker's torch.distributed store listens on every interface."""
+    rpc_port = free_port()  # rank 0's API server binds it; rank 1's engine handshakes there
+    ranks = (
+        FaultTolerantRank(0, 2, rpc_port, trigger_dir),
+        FaultTolerantRank(1, 2, rpc_port, trigger_dir),
+    )
+    try:
+        for rank in ranks:
+            rank.start(wait=False)
+        for rank in ranks:
+            rank.wait_ready()
+        for rank in ranks:
+            body = {"model": MODEL, "prompt": prompt_ids(8), "max_tokens": 1} | GREEDY
+            answer = rank.complete(body, timeout=60)
+            assert answer.status_code == 200, answer.text
+        yield ranks
+    finally:
+        for rank in reversed(ranks):
+            rank.stop()
