@@ -602,3 +602,16 @@ def test_fault_reports_are_read_per_rank_from_vllms_status_body():
     assert report_for(reports, None) == (1, EngineReport("unhealthy", "RuntimeError"))
     assert read_status(404, "")[2] is True
     assert read_status(200, "[]")[0] is None
+
+
+def test_a_canary_sent_before_the_engine_reported_its_recovery_is_dropped():
+    """A canary that left while the engine was unhealthy and times out just after it reports
+    healthy says nothing about the recovered engine: the fresh canary proves it."""
+    ep = passed(registered())
+    ep = apply_faults(ep, 0, EngineReport("unhealthy"), 2.0)
+    ep = apply_faults(ep, 0, EngineReport("healthy"), 3.0)
+    fresh = ep.canary
+    late = apply_canary(ep, result(Outcome.TIMEOUT, at=2.5, latency=0.6), ep.incarnation, POLICY)
+    assert late.canary == fresh
+    proved = apply_canary(ep, result(Outcome.SUCCESS, at=3.1), ep.incarnation, POLICY)
+    assert proved.canary.ready

@@ -163,6 +163,8 @@ def apply_canary(
         return ep
     if ep.lifecycle.paused or result.started < ep.lifecycle.changed_at:
         return ep  # sent before a pause began or ended: it says nothing about now
+    if result.started < ep.faults.changed_at:
+        return ep  # sent before the engine reported a fault, or its recovery: as a pause
     latest = ep.progress.latest
     if (
         baseline is None

@@ -41,6 +41,12 @@ class FaultState:
     since: float | None = None  # monotonic: the first read of the current unhealthy state
     missing: bool = False  # the server has no fault tolerance (404): not asked again
     rank: int | None = None  # the engine the report is about
+    changed_at: float = float("-inf")  # monotonic: it last turned healthy, failed or paused
+
+    @property
+    def kind(self) -> str:
+        """What the report amounts to: healthy, failed or paused."""
+        return "failed" if self.failed else "paused" if self.paused else "healthy"
 
     @property
     def failed(self) -> bool:
@@ -106,10 +112,13 @@ def on_fault_report(
 ) -> FaultState:
     """One read of the status for this unit (``missing``: the route is not served)."""
     if missing:
-        return FaultState(missing=True)
+        return FaultState(missing=True, changed_at=state.changed_at)
     failed = report is not None and report.state in FAILED
     since = (state.since if state.failed else at) if failed else None
-    return FaultState(report=report, since=since, rank=rank)
+    after = FaultState(report=report, since=since, rank=rank, changed_at=state.changed_at)
+    if after.kind != state.kind:
+        after = FaultState(report=report, since=since, rank=rank, changed_at=at)
+    return after
 
 
 def read_status(status: int, body: str) -> tuple[dict[int, EngineReport] | None, str, bool]:
