@@ -8,10 +8,10 @@ import time
 import pytest
 
 from sidecar.config import Settings, load_settings
-from sidecar.core.evidence.result import Outcome
-from sidecar.probes import plan_canary
+from sidecar.core.evidence.result import Outcome, Result
+from sidecar.probes import CanaryRequest, plan_canary
 from sidecar.probes.http import HttpCanary
-from sidecar.runtime.engine import NoAnswer
+from sidecar.runtime.engine import Answer, NoAnswer
 
 ON = {"DYN_HEALTH_CHECK_ENABLED": "true"}
 
@@ -203,3 +203,49 @@ def test_a_kept_canary_is_the_only_one_sent_and_ends_with_its_probe(monkeypatch)
         assert asyncio.all_tasks() == {asyncio.current_task()}
 
     asyncio.run(main())
+
+
+class _SlowSglang:
+    """An engine client whose canaries time out, and whose abort route answers ``status`` (None:
+    no answer at all)."""
+
+    def __init__(self, status: int | None) -> None:
+        self.timeout = 0.05
+        self.status = status
+        self.sent: list[CanaryRequest] = []
+
+    def clock(self) -> float:
+        return time.monotonic()
+
+    async def canary(self, plan: object, request: CanaryRequest, **_: object) -> Result:
+        now = self.clock()
+        return Result(Outcome.TIMEOUT, "no complete answer within 0.05 s", now, now, 0.0, "c")
+
+    async def send(self, request: CanaryRequest, deadline: float) -> Answer | NoAnswer:
+        self.sent.append(request)
+        if self.status is None:
+            return NoAnswer(Outcome.REFUSED, "POST /abort_request: cannot connect")
+        return Answer(self.status, "application/json", b"{}", None)
+
+
+@pytest.mark.parametrize(
+    ("status", "said"),
+    [
+        (200, "; stopped on the engine (POST /abort_request -> 200)"),
+        (500, "; its abort failed (POST /abort_request -> 500)"),
+        (None, "; its abort failed (POST /abort_request: cannot connect)"),
+    ],
+)
+def test_a_timed_out_sglang_canary_is_aborted_by_rid_and_says_so(monkeypatch, status, said):
+    for field in Settings.model_fields.values():
+        monkeypatch.delenv(str(field.validation_alias), raising=False)
+    monkeypatch.setenv("DYN_HEALTH_CHECK_ENABLED", "true")
+    monkeypatch.setenv("SIDECAR_BACKEND", "sglang")
+    plan = plan_canary(load_settings())
+    engine = _SlowSglang(status)
+    request = plan.request(None, "canary-1")
+    result = asyncio.run(HttpCanary(engine)(plan, request, None))  # type: ignore[arg-type]
+    assert result.outcome is Outcome.TIMEOUT
+    assert result.reason.endswith(said)
+    (abort,) = engine.sent
+    assert (abort.method, abort.path, abort.body) == ("POST", "/abort_request", {"rid": "canary-1"})

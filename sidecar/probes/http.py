@@ -20,7 +20,6 @@ prober's, measured on each real engine: docs/concepts/backends.md):
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from dataclasses import replace
 from typing import TYPE_CHECKING
@@ -33,15 +32,11 @@ if TYPE_CHECKING:
     from sidecar.probes.base import CanaryPlan
     from sidecar.runtime.engine import EngineClient
 
-log = logging.getLogger("sidecar.probes")
-
 #: The abort's own deadline: short, since it is sent to an engine that just failed to answer.
 ABORT_TIMEOUT = 1.0
 #: How long a kept canary may wait on its connection before it is given up for good (then the
 #: connection closes and the next canary is a new request).
 KEEP_CAP = 300.0
-#: How many aborts ``HttpCanary.aborts`` remembers.
-ABORTS_KEPT = 100
 
 
 class HttpCanary:
@@ -51,8 +46,6 @@ class HttpCanary:
         # Per unit (endpoint or rank): the canary still waiting on the engine after its timeout,
         # and its request id.
         self._kept: dict[str, tuple[asyncio.Task[Result], str]] = {}
-        # The last aborts sent and what each got: (request id, "HTTP 200" or why none came).
-        self.aborts: list[tuple[str, str]] = []
 
     async def aclose(self) -> None:
         """Cancel the canaries still kept on their connections, and wait for them to end."""
@@ -67,28 +60,27 @@ class HttpCanary:
             return await self._kept_canary(plan, request)
         result = await self.client.canary(plan, request)
         if result.outcome is Outcome.TIMEOUT:
-            await self._abort(plan, request)
+            said = await self._abort(plan, request)
+            if said:
+                result = replace(result, reason=f"{result.reason}; {said}")
         return result
 
-    async def _abort(self, plan: CanaryPlan, request: CanaryRequest) -> None:
-        """Send the engine's abort of a timed-out canary, where it has one; never raise."""
+    async def _abort(self, plan: CanaryPlan, request: CanaryRequest) -> str | None:
+        """Send the engine's abort of a timed-out canary, where it has one, and say how it went
+        (it goes into the canary's reason, so /health and the history show it); never raise."""
         abort = plan.prober.abort(request)
         if abort is None:
-            return
+            return None
+        what = f"{abort.method} {abort.path}"
         try:
             answer = await self.client.send(abort, self.abort_timeout)
         except Exception as exc:  # nothing of an abort may reach the monitor
-            got, ok = f"failed: {type(exc).__name__}: {exc}", False
-        else:
-            if isinstance(answer, NoAnswer):
-                got, ok = answer.reason, False
-            else:
-                got, ok = f"HTTP {answer.status}", answer.status == 200
-        self.aborts.append((request.request_id, got))
-        del self.aborts[:-ABORTS_KEPT]
-        level = logging.DEBUG if ok else logging.WARNING
-        log.log(level, "timed-out canary %s: %s %s -> %s", request.request_id, abort.method,
-                abort.path, got)  # fmt: skip
+            return f"its abort failed ({what}: {type(exc).__name__}: {exc})"
+        if isinstance(answer, NoAnswer):
+            return f"its abort failed ({answer.reason})"
+        if answer.status != 200:
+            return f"its abort failed ({what} -> {answer.status})"
+        return f"stopped on the engine ({what} -> 200)"
 
     async def _kept_canary(self, plan: CanaryPlan, request: CanaryRequest) -> Result:
         """The canary of an engine that cannot stop an abandoned request: wait for the one still
