@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 VOCAB = 512
 SEED = 0
@@ -55,9 +56,9 @@ def build_tokenizer():  # -> tokenizers.Tokenizer (tokenizers is only in the vLL
     return tok
 
 
-def write_model_dir(out: Path) -> None:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+def save_tokenizer(out: Path) -> dict[str, int]:
+    """Write the tokenizer, with its chat template, to ``out``; the special tokens' ids."""
+    from transformers import PreTrainedTokenizerFast
 
     out.mkdir(parents=True, exist_ok=True)
     bos, eos, pad = SPECIAL_TOKENS
@@ -70,8 +71,27 @@ def write_model_dir(out: Path) -> None:
     )
     tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(out)
-    ids = {name: tokenizer.convert_tokens_to_ids(name) for name in SPECIAL_TOKENS}
+    return {name: tokenizer.convert_tokens_to_ids(name) for name in SPECIAL_TOKENS}
 
+
+def save_model(model_class: Any, config: Any, out: Path) -> str:
+    """Build ``model_class(config)`` with seed SEED in float32, save it to ``out`` (safetensors);
+    what was written, for a log line."""
+    import torch
+
+    torch.manual_seed(SEED)
+    model = model_class(config).to(torch.float32).eval()
+    model.save_pretrained(out, safe_serialization=True)
+    params = sum(p.numel() for p in model.parameters())
+    size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
+    return f"wrote {out}: {params} parameters, vocab {VOCAB}, {size / 1e6:.1f} MB"
+
+
+def write_model_dir(out: Path) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    ids = save_tokenizer(out)
+    bos, eos, pad = SPECIAL_TOKENS
     config = LlamaConfig(
         vocab_size=VOCAB,
         hidden_size=128,
@@ -88,12 +108,7 @@ def write_model_dir(out: Path) -> None:
         tie_word_embeddings=False,
         torch_dtype="float32",
     )
-    torch.manual_seed(SEED)
-    model = LlamaForCausalLM(config).to(torch.float32).eval()
-    model.save_pretrained(out, safe_serialization=True)
-    params = sum(p.numel() for p in model.parameters())
-    size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
-    print(f"wrote {out}: {params} parameters, vocab {VOCAB}, {size / 1e6:.1f} MB")
+    print(save_model(LlamaForCausalLM, config, out))
 
 
 def main(argv: list[str] | None = None) -> int:

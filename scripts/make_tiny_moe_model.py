@@ -21,11 +21,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from make_tiny_hf_model import (  # from the directory added above
-    CHAT_TEMPLATE,
-    SEED,
     SPECIAL_TOKENS,
     VOCAB,
-    build_tokenizer,
+    save_model,
+    save_tokenizer,
 )
 
 EXPERTS = 4
@@ -33,22 +32,10 @@ EXPERTS_PER_TOKEN = 2
 
 
 def write_model_dir(out: Path) -> None:
-    import torch
-    from transformers import MixtralConfig, MixtralForCausalLM, PreTrainedTokenizerFast
+    from transformers import MixtralConfig, MixtralForCausalLM
 
-    out.mkdir(parents=True, exist_ok=True)
+    ids = save_tokenizer(out)
     bos, eos, pad = SPECIAL_TOKENS
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=build_tokenizer(),
-        bos_token=bos,
-        eos_token=eos,
-        pad_token=pad,
-        model_max_length=2048,
-    )
-    tokenizer.chat_template = CHAT_TEMPLATE
-    tokenizer.save_pretrained(out)
-    ids = {name: tokenizer.convert_tokens_to_ids(name) for name in SPECIAL_TOKENS}
-
     config = MixtralConfig(
         vocab_size=VOCAB,
         hidden_size=128,
@@ -68,15 +55,8 @@ def write_model_dir(out: Path) -> None:
         tie_word_embeddings=False,
         torch_dtype="float32",
     )
-    torch.manual_seed(SEED)
-    model = MixtralForCausalLM(config).to(torch.float32).eval()
-    model.save_pretrained(out, safe_serialization=True)
-    params = sum(p.numel() for p in model.parameters())
-    size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
-    print(
-        f"wrote {out}: {params} parameters, {EXPERTS} experts ({EXPERTS_PER_TOKEN} per token), "
-        f"vocab {VOCAB}, {size / 1e6:.1f} MB"
-    )
+    written = save_model(MixtralForCausalLM, config, out)
+    print(f"{written}; {EXPERTS} experts, {EXPERTS_PER_TOKEN} per token")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,11 +7,12 @@ import time
 
 import pytest
 
-from sidecar.config import Settings, load_settings
+from sidecar.config import Settings
 from sidecar.core.evidence.result import Outcome, Result
 from sidecar.probes import CanaryRequest, plan_canary
 from sidecar.probes.http import HttpCanary
 from sidecar.runtime.engine import Answer, NoAnswer
+from tests.support.configured import settings_from
 
 ON = {"DYN_HEALTH_CHECK_ENABLED": "true"}
 
@@ -185,12 +186,8 @@ def test_a_kept_canary_is_the_only_one_sent_and_ends_with_its_probe(monkeypatch)
     """The openai (llama-server) probe keeps its timed-out canary on the connection: later
     probes send no other while it waits, and closing the probe cancels it (no task outlives the
     monitor)."""
-    for field in Settings.model_fields.values():
-        monkeypatch.delenv(str(field.validation_alias), raising=False)
-    monkeypatch.setenv("DYN_HEALTH_CHECK_ENABLED", "true")
-    monkeypatch.setenv("SIDECAR_BACKEND", "openai")
-    monkeypatch.setenv("SIDECAR_MODEL", "tiny")
-    plan = plan_canary(load_settings())
+    on = {"DYN_HEALTH_CHECK_ENABLED": "true", "SIDECAR_MODEL": "tiny"}
+    plan = plan_canary(settings_from(monkeypatch, SIDECAR_BACKEND="openai", **on))
 
     async def main() -> None:
         engine = _FrozenServer()
@@ -237,11 +234,9 @@ class _SlowSglang:
     ],
 )
 def test_a_timed_out_sglang_canary_is_aborted_by_rid_and_says_so(monkeypatch, status, said):
-    for field in Settings.model_fields.values():
-        monkeypatch.delenv(str(field.validation_alias), raising=False)
-    monkeypatch.setenv("DYN_HEALTH_CHECK_ENABLED", "true")
-    monkeypatch.setenv("SIDECAR_BACKEND", "sglang")
-    plan = plan_canary(load_settings())
+    plan = plan_canary(
+        settings_from(monkeypatch, SIDECAR_BACKEND="sglang", DYN_HEALTH_CHECK_ENABLED="true")
+    )
     engine = _SlowSglang(status)
     request = plan.request(None, "canary-1")
     result = asyncio.run(HttpCanary(engine)(plan, request, None))  # type: ignore[arg-type]

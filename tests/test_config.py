@@ -3,22 +3,11 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
-from sidecar.config import Backend, ConfigError, Mode, Settings, load_settings
-from tests.support.harness import ROOT, base_env
-
-
-def settings_from(monkeypatch: pytest.MonkeyPatch, **env: str) -> Settings:
-    for name in Settings.model_fields:
-        alias = Settings.model_fields[name].validation_alias
-        monkeypatch.delenv(str(alias), raising=False)
-    for key, value in env.items():
-        monkeypatch.setenv(key, value)
-    return load_settings()
+from sidecar.config import Backend, ConfigError, Mode
+from tests.support.configured import run_cli, settings_from
 
 
 def test_defaults(monkeypatch):
@@ -113,20 +102,8 @@ def test_payload_file(monkeypatch, tmp_path):
     assert s.health_check_payload == {"prompt": [1, 2], "max_tokens": 1}
 
 
-def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "sidecar", *args],
-        env=base_env() | (env or {}),
-        capture_output=True,
-        text=True,
-        timeout=30,
-        cwd=ROOT,
-        check=False,
-    )
-
-
 def test_bad_config_exits_nonzero_with_one_line_and_no_traceback():
-    done = cli(env={"DYN_SYSTEM_PORT": "70000"})
+    done = run_cli(env={"DYN_SYSTEM_PORT": "70000"})
     assert done.returncode == 2
     assert done.stderr.count("\n") == 1
     assert "DYN_SYSTEM_PORT='70000'" in done.stderr
@@ -141,7 +118,7 @@ def test_check_config_prints_the_plan():
         "DYN_SYSTEM_USE_ENDPOINT_HEALTH_STATUS": '["generate"]',
         "SIDECAR_ENGINE_API_KEY": "sk-secret-value",
     }
-    done = cli("--check-config", env=env)
+    done = run_cli("--check-config", env=env)
     assert done.returncode == 0, done.stderr
     out = done.stdout
     assert "POST /v1/completions" in out
@@ -152,7 +129,7 @@ def test_check_config_prints_the_plan():
 
 
 def test_check_config_rejects_like_startup():
-    done = cli("--check-config", env={"SIDECAR_DISAGGREGATION_MODE": "decoder"})
+    done = run_cli("--check-config", env={"SIDECAR_DISAGGREGATION_MODE": "decoder"})
     assert done.returncode == 2
     assert done.stderr.startswith(
         "health-sidecar: configuration error: SIDECAR_DISAGGREGATION_MODE="
@@ -165,9 +142,9 @@ def test_env_file(tmp_path):
         "SIDECAR_BACKEND=sglang\nSIDECAR_DISAGGREGATION_MODE=prefill\n"
         "DYN_HEALTH_CHECK_ENABLED=true\n"
     )
-    done = cli("--env-file", str(env_file), "--check-config")
+    done = run_cli("--env-file", str(env_file), "--check-config")
     assert done.returncode == 0, done.stderr
     assert '"bootstrap_host": "2.2.2.2"' in done.stdout
-    missing = cli("--env-file", str(tmp_path / "nope.env"), "--check-config")
+    missing = run_cli("--env-file", str(tmp_path / "nope.env"), "--check-config")
     assert missing.returncode == 2
     assert "--env-file=" in missing.stderr

@@ -20,8 +20,6 @@ import json
 import math
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,7 +33,8 @@ from hypothesis import strategies as st
 
 from sidecar import config
 from sidecar.config import ConfigError, Settings, load_settings
-from tests.support.harness import LOOPBACK, ROOT, base_env, free_port
+from tests.support.configured import run_cli
+from tests.support.harness import LOOPBACK, free_port
 
 PROPERTY = settings(
     max_examples=50,
@@ -556,18 +555,6 @@ def sample_for(name: str) -> str | None:
     return {bool: "maybe", float: "0", int: "-1"}.get(base[0], "not a valid value")
 
 
-def cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "sidecar", *args],
-        env=base_env() | env,
-        capture_output=True,
-        text=True,
-        timeout=30,
-        cwd=ROOT,
-        check=False,
-    )
-
-
 PREFIX = "health-sidecar: configuration error: "
 
 
@@ -575,7 +562,7 @@ def test_every_malformed_variable_at_once_one_line_each() -> None:
     env = {name: value for name in env_names() if (value := sample_for(name)) is not None}
     # All but the host and the two tokens.
     assert len(env) >= len(env_names()) - 3
-    done = cli("--check-config", env=env)
+    done = run_cli("--check-config", env=env)
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stdout + done.stderr
     assert done.stdout == ""
@@ -589,7 +576,7 @@ def test_every_malformed_variable_at_once_one_line_each() -> None:
     "name", ["DYN_SYSTEM_PORT", "DYN_HEALTH_CHECK_PAYLOAD", "SIDECAR_ENGINE_URL", "SIDECAR_MODEL"]
 )
 def test_malformed_value_exits_2_with_one_line_and_no_traceback(name: str) -> None:
-    done = cli(env={name: SAMPLE_MALFORMED[name]})
+    done = run_cli(env={name: SAMPLE_MALFORMED[name]})
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stdout + done.stderr
     lines = done.stderr.splitlines()
@@ -679,7 +666,7 @@ def test_non_ascii_api_key_exits_2_without_traceback() -> None:
         "DYN_SYSTEM_PORT": str(free_port()),
         "SIDECAR_ENGINE_URL": f"http://{LOOPBACK}:{free_port()}",
     }
-    done = cli(env=env)
+    done = run_cli(env=env)
     assert "Traceback" not in done.stdout + done.stderr, done.stderr[-2000:]
     assert done.returncode == 2, done.stderr[-2000:]
 

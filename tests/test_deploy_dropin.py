@@ -17,8 +17,9 @@ from typing import Any
 import pytest
 import yaml
 
-from sidecar.config import Settings, load_settings
+from sidecar.config import Settings
 from sidecar.tools.probes import render
+from tests.support.configured import settings_from
 from tests.support.deployfiles import (
     MAX_LOAD_SECONDS,
     OLDEST_K8S,
@@ -51,14 +52,6 @@ DYNAMO_SYSTEM_PORT = 9090  # the operator's port named `system`, the worker's ow
 
 def load(path: Path) -> list[dict[str, Any]]:
     return [d for d in yaml.safe_load_all(path.read_text(encoding="utf-8")) if d]
-
-
-def settings_from_env(env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> Settings:
-    for field in Settings.model_fields.values():
-        monkeypatch.delenv(str(field.validation_alias), raising=False)
-    for key, value in env.items():
-        monkeypatch.setenv(key, value)
-    return load_settings()
 
 
 def expected_probes(settings: Settings) -> dict[str, Any]:
@@ -152,7 +145,7 @@ def check_component_output(
         for d in docs
         if d["kind"] == "ConfigMap" and d["metadata"]["name"] == ref["configMapRef"]["name"]
     ]
-    settings = settings_from_env(cm["data"], monkeypatch)
+    settings = settings_from(monkeypatch, **cm["data"])
     assert settings.system_port in [p["containerPort"] for p in sidecar["ports"]]
     engine = spec["containers"][0]
     assert engine["name"] == engine_name
@@ -184,7 +177,7 @@ def test_grpc_example_probes_the_grpc_health_service(monkeypatch, tmp_path: Path
         for d in docs
         if d["kind"] == "ConfigMap" and d["metadata"]["name"] == ref["configMapRef"]["name"]
     ]
-    settings = settings_from_env(cm["data"], monkeypatch)
+    settings = settings_from(monkeypatch, **cm["data"])
     assert settings.grpc_port is not None
     ports = [p["containerPort"] for p in sidecar["ports"]]
     assert settings.grpc_port in ports
@@ -281,7 +274,7 @@ def test_dgd_worker_probes_target_its_sidecar(name: str, monkeypatch):
     sidecar = only(pod["initContainers"], SIDECAR)
     assert_sidecar_secure(sidecar)
     env = inline_env(sidecar)
-    settings = settings_from_env(env, monkeypatch)
+    settings = settings_from(monkeypatch, **env)
     # The role, said to the sidecar.
     assert settings.backend == "vllm"
     assert str(settings.disaggregation_mode) == service["subComponentType"]
@@ -357,7 +350,7 @@ def test_lws_sidecar_on_the_leader_without_liveness(monkeypatch):
     assert ref["configMapRef"]["name"] == docs["ConfigMap"]["metadata"]["name"]
     data = docs["ConfigMap"]["data"]
     assert data == read_env(ROOT / "config" / "vllm-aggregated.env")
-    settings = settings_from_env(data, monkeypatch)
+    settings = settings_from(monkeypatch, **data)
     engine = leader["containers"][0]
     expected = expected_probes(settings)
     for probe in PROBES:

@@ -37,6 +37,7 @@ from sidecar.core.evidence.faults import EngineReport
 from sidecar.core.evidence.policy import Policy
 from sidecar.core.evidence.result import Outcome, Result
 from sidecar.core.verdict import Verdict, endpoint_verdict, rank_verdict
+from tests.support.configured import settings_from
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gen_docs.py"
@@ -307,13 +308,10 @@ def _exported(monkeypatch: pytest.MonkeyPatch) -> dict[str, tuple[str, set[str] 
     no sample to show them), from its real exposition."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    from sidecar.config import load_settings
     from sidecar.runtime.server import build
 
-    for field in Settings.model_fields.values():
-        monkeypatch.delenv(str(field.validation_alias), raising=False)
-    monkeypatch.setenv("DYN_HEALTH_CHECK_ENABLED", "true")
-    text = build(load_settings()).metrics.exposition().decode()
+    parts = build(settings_from(monkeypatch, DYN_HEALTH_CHECK_ENABLED="true"))
+    text = parts.metrics.exposition().decode()
     found = {}
     for family in text_string_to_metric_families(text):
         name = family.name + ("_total" if family.type == "counter" else "")

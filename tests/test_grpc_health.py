@@ -11,8 +11,6 @@ from __future__ import annotations
 import queue
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -23,9 +21,10 @@ import pytest
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from sidecar.config import ConfigError, Settings, load_settings
+from sidecar.config import ConfigError, load_settings
 from sidecar.tools.probes import render
-from tests.support.harness import LOOPBACK, ROOT, FakeEngine, Sidecar, base_env, free_port
+from tests.support.configured import run_cli, settings_from
+from tests.support.harness import LOOPBACK, ROOT, FakeEngine, Sidecar, free_port
 
 Status = health_pb2.HealthCheckResponse.ServingStatus
 SERVING: Status = health_pb2.HealthCheckResponse.SERVING
@@ -275,14 +274,6 @@ def test_a_grpc_port_already_taken_stops_the_sidecar(engine, sidecar):
 # --- configuration -------------------------------------------------------------------------------
 
 
-def settings_from(monkeypatch: pytest.MonkeyPatch, **env: str) -> Settings:
-    for field in Settings.model_fields.values():
-        monkeypatch.delenv(str(field.validation_alias), raising=False)
-    for key, value in env.items():
-        monkeypatch.setenv(key, value)
-    return load_settings()
-
-
 def test_the_grpc_port_is_off_by_default(monkeypatch):
     assert settings_from(monkeypatch).grpc_port is None
     assert settings_from(monkeypatch, SIDECAR_GRPC_PORT="50051").grpc_port == 50051
@@ -312,28 +303,16 @@ def test_a_bad_grpc_port_is_one_line_naming_it(monkeypatch, env, expected):
     assert line.startswith(expected), line
 
 
-def cli(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "sidecar", *args],
-        env=base_env() | env,
-        capture_output=True,
-        text=True,
-        timeout=30,
-        cwd=ROOT,
-        check=False,
-    )
-
-
 def test_check_config_shows_the_grpc_service():
-    done = cli("--check-config", SIDECAR_GRPC_PORT="50051")
+    done = run_cli("--check-config", env={"SIDECAR_GRPC_PORT": "50051"})
     assert done.returncode == 0, done.stderr
     assert (
         "grpc           grpc.health.v1.Health (Check, Watch) on 0.0.0.0:50051: '' and readiness "
         "as /health, liveness as /live, generate as its endpoint in /health"
     ) in done.stdout
-    off = cli("--check-config")
+    off = run_cli("--check-config")
     assert "grpc           no gRPC health service (SIDECAR_GRPC_PORT unset)" in off.stdout
-    bad = cli("--check-config", SIDECAR_GRPC_PORT="none")
+    bad = run_cli("--check-config", env={"SIDECAR_GRPC_PORT": "none"})
     assert bad.returncode == 2
     (line,) = bad.stderr.splitlines()
     assert line.startswith("health-sidecar: configuration error: SIDECAR_GRPC_PORT='none'")
@@ -344,10 +323,11 @@ def test_check_config_shows_the_grpc_service():
 
 def test_probes_grpc_prints_grpc_probes_with_the_same_numbers(monkeypatch):
     profile = str(ROOT / "config" / "vllm-aggregated.env")
-    done = cli("--env-file", profile, "probes", "--grpc", SIDECAR_GRPC_PORT="50051")
+    done = run_cli("--env-file", profile, "probes", "--grpc", env={"SIDECAR_GRPC_PORT": "50051"})
     assert done.returncode == 0, done.stderr
     probes = yaml.safe_load(done.stdout)
-    http = yaml.safe_load(cli("--env-file", profile, "probes", SIDECAR_GRPC_PORT="50051").stdout)
+    port = {"SIDECAR_GRPC_PORT": "50051"}
+    http = yaml.safe_load(run_cli("--env-file", profile, "probes", env=port).stdout)
     services = {"startupProbe": "readiness", "livenessProbe": "liveness"}
     assert set(probes) == set(http) == {"startupProbe", "livenessProbe", "readinessProbe"}
     for name, probe in probes.items():
@@ -362,7 +342,7 @@ def test_probes_grpc_prints_grpc_probes_with_the_same_numbers(monkeypatch):
 
 
 def test_probes_grpc_without_the_port_is_one_line():
-    done = cli("probes", "--grpc")
+    done = run_cli("probes", "--grpc")
     assert done.returncode == 2
     assert done.stderr.splitlines() == [
         "health-sidecar: --grpc: expected SIDECAR_GRPC_PORT set (the gRPC health service is "

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from aiotools import VirtualClock
 
-from sidecar.config import Settings, load_settings
+from sidecar.config import Settings
 from sidecar.core.evidence.result import Outcome, Result
 from sidecar.core.observations import MaintenanceDeclared
 from sidecar.core.verdict import Cause
@@ -26,6 +26,7 @@ from sidecar.runtime.health import Health, liveness_of, readiness_of
 from sidecar.runtime.monitor import Monitor
 from sidecar.surface.metrics import Metrics
 from sidecar.tools.probes import size
+from tests.support.configured import settings_from
 from tests.support.exposition import metric
 
 VLLM_METRICS = """\
@@ -104,12 +105,8 @@ class ScriptedEngine:
 
 
 def settings(monkeypatch: pytest.MonkeyPatch, **env: str) -> Settings:
-    for field in Settings.model_fields.values():
-        monkeypatch.delenv(str(field.validation_alias), raising=False)
     base = {"DYN_HEALTH_CHECK_ENABLED": "true", "SIDECAR_MODEL": "tiny"}
-    for name, value in (base | env).items():
-        monkeypatch.setenv(name, value)
-    return load_settings()
+    return settings_from(monkeypatch, **(base | env))
 
 
 def run_virtually(

@@ -15,8 +15,9 @@ from typing import Any
 import pytest
 import yaml
 
-from sidecar.config import Settings, load_settings
+from sidecar.config import Settings
 from sidecar.tools.probes import READINESS_TARGET_SECONDS, render, size
+from tests.support.configured import settings_from
 from tests.support.harness import ROOT, base_env
 
 CANARY = {
@@ -24,14 +25,6 @@ CANARY = {
     "DYN_SYSTEM_USE_ENDPOINT_HEALTH_STATUS": '["generate"]',
 }
 PROBES = ("startupProbe", "livenessProbe", "readinessProbe")
-
-
-def settings_from(monkeypatch: pytest.MonkeyPatch, **env: str) -> Settings:
-    for name in Settings.model_fields:
-        monkeypatch.delenv(str(Settings.model_fields[name].validation_alias), raising=False)
-    for key, value in env.items():
-        monkeypatch.setenv(key, value)
-    return load_settings()
 
 
 def probes(settings: Settings, max_load: float = 7200) -> dict[str, Any]:

@@ -12,8 +12,6 @@ from __future__ import annotations
 import contextlib
 import re
 import socket
-import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -23,7 +21,8 @@ from typing import Any
 
 import pytest
 
-from tests.support.harness import LOOPBACK, ROOT, Sidecar, base_env, wait_until
+from tests.support.configured import run_cli
+from tests.support.harness import LOOPBACK, Sidecar, wait_until
 
 QUIET_DRAIN = {"SIDECAR_DRAIN_TIMEOUT": "0.1"}  # stop promptly at teardown (SIGTERM drains)
 CANARY_ON = QUIET_DRAIN | {
@@ -278,27 +277,15 @@ def test_api_key_reaches_the_engine_and_appears_nowhere_else(engine, sidecar, li
     assert not leaked, leaked
 
 
-def cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "sidecar", *args],
-        env=base_env() | env,
-        capture_output=True,
-        text=True,
-        timeout=30,
-        cwd=ROOT,
-        check=False,
-    )
-
-
 def test_api_key_absent_from_check_config_and_config_errors() -> None:
     key, needle = distinctive_key()
     outputs = {
-        "check-config": cli("--check-config", env={"SIDECAR_ENGINE_API_KEY": key}),
-        "probes": cli("probes", env={"SIDECAR_ENGINE_API_KEY": key}),
-        "bad port": cli(
+        "check-config": run_cli("--check-config", env={"SIDECAR_ENGINE_API_KEY": key}),
+        "probes": run_cli("probes", env={"SIDECAR_ENGINE_API_KEY": key}),
+        "bad port": run_cli(
             "--check-config", env={"SIDECAR_ENGINE_API_KEY": key, "DYN_SYSTEM_PORT": "70000"}
         ),
-        "bad everything": cli(
+        "bad everything": run_cli(
             env={
                 "SIDECAR_ENGINE_API_KEY": key,
                 "DYN_SYSTEM_PORT": "x",

@@ -7,7 +7,6 @@ from typing import get_args
 
 import pytest
 
-from sidecar.config import Settings, load_settings
 from sidecar.core.events import Kind
 from sidecar.core.evidence.result import Outcome, Result
 from sidecar.core.observations import (
@@ -24,6 +23,7 @@ from sidecar.core.snapshot import Snapshot, readiness_of
 from sidecar.core.step import _STEPS, step
 from sidecar.probes import plan_canary
 from sidecar.runtime.health import Health
+from tests.support.configured import settings_from
 
 OK = Result(Outcome.SUCCESS, "GET /health -> 200", 1.0, 1.01, 1e9, "", 200)
 GONE = Result(Outcome.ERROR, "GET /health: connection refused", 2.0, 2.01, 1e9, "", None)
@@ -32,11 +32,7 @@ SLOW = Result(Outcome.TIMEOUT, "canary timeout after 0.5 s", 1.1, 1.6, 1e9, "can
 
 
 def fresh(monkeypatch: pytest.MonkeyPatch) -> Snapshot:
-    for field in Settings.model_fields.values():
-        monkeypatch.delenv(str(field.validation_alias), raising=False)
-    monkeypatch.setenv("DYN_HEALTH_CHECK_ENABLED", "true")
-    monkeypatch.setenv("SIDECAR_MODEL", "tiny")
-    settings = load_settings()
+    settings = settings_from(monkeypatch, DYN_HEALTH_CHECK_ENABLED="true", SIDECAR_MODEL="tiny")
     return Health(settings, [plan_canary(settings)], clock=lambda: 0.0).snapshot
 
 

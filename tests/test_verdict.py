@@ -600,8 +600,9 @@ def test_fault_reports_are_read_per_rank_from_vllms_status_body():
     assert reports == {0: EngineReport("healthy"), 1: EngineReport("unhealthy", "RuntimeError")}
     assert report_for(reports, 0) == (0, EngineReport("healthy"))
     assert report_for(reports, None) == (1, EngineReport("unhealthy", "RuntimeError"))
-    assert read_status(404, "")[2] is True
-    assert read_status(200, "[]")[0] is None
+    assert read_status(404, "") == (None, True)
+    assert read_status(200, "[]") == (None, False)  # not the status at all
+    assert read_status(200, '{"engines": []}') == ({}, False)
 
 
 def test_a_canary_sent_before_the_engine_reported_its_recovery_is_dropped():

@@ -30,7 +30,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import replace
 
-from sidecar.core.endpoint import suspected
+from sidecar.core.endpoint import maintenance_due, suspected
 from sidecar.core.evidence.faults import read_status, report_for
 from sidecar.core.evidence.lifecycle import sleeping_in
 from sidecar.core.evidence.progress import (
@@ -178,11 +178,8 @@ class Monitor:
             self.observe(Heartbeat())
             return
         if work.job is Job.MAINTENANCE:
-            window = next(
-                m
-                for ep in self.health.snapshot.endpoints.values()
-                if (m := ep.lifecycle.maintenance) is not None
-            )
+            window = maintenance_due(self.health.snapshot.endpoints.values())
+            assert window is not None  # next_due says it is due only while one is declared
             self.observe(MaintenanceOver(f"its {window.until - window.since:g} s are up"))
             return
         jobs: dict[Job, Callable[[str], Awaitable[None]]] = {
@@ -346,9 +343,7 @@ class Monitor:
             answer = await self.client.get(path)
             if isinstance(answer, NoAnswer):
                 continue  # no word: the registration check and the canary see that engine
-            reports, _why, missing = read_status(
-                answer.status, answer.body.decode(errors="replace")
-            )
+            reports, missing = read_status(answer.status, answer.body.decode(errors="replace"))
             if reports is None and not missing:
                 continue
             for unit in (u for u in units if u in self.health.plans):

@@ -121,14 +121,14 @@ def on_fault_report(
     return after
 
 
-def read_status(status: int, body: str) -> tuple[dict[int, EngineReport] | None, str, bool]:
-    """(reports, why, missing) from one answer of the status route; reports is None when the
-    answer says nothing usable, ``missing`` when the server has no fault tolerance (404)."""
+def read_status(status: int, body: str) -> tuple[dict[int, EngineReport] | None, bool]:
+    """(reports, missing) from one answer of the status route: reports is None when the answer
+    says nothing usable; ``missing`` when the server has no fault tolerance (404)."""
     if status == 404:
-        return None, "-> 404: the engine serves no fault-tolerance status", True
+        return None, True
     if status != 200:
-        return None, f"-> {status}", False
+        return None, False
     try:
-        return reports_in(json.loads(body)), "-> 200", False
-    except ValueError as exc:
-        return None, f"-> 200 but {exc}", False
+        return reports_in(json.loads(body)), False
+    except ValueError:
+        return None, False
