@@ -50,7 +50,6 @@ from tests.support.harness import (
     base_env,
     descendants,
     free_port,
-    free_port_in,
     wait_until,
 )
 from tests.support.vllm_engine import ENGINE_CORE, ENGINE_NICE, MAX_MODEL_LEN, MODEL, WORKER
@@ -128,7 +127,7 @@ class DynamoVllmWorker(Owned):
         self.nice = nice
         self.extra = list(extra)
         self.extra_env = dict(env or {})
-        self.system_port = free_port_in(10000, 32000)  # Dynamo parses it as an i16
+        self.system_port = free_port()  # below 32768: Dynamo parses it as an i16
         self.side_channel_port = free_port() if mode != "aggregated" else None
         self.workdir = Path(tempfile.mkdtemp(prefix=f"dynamo-vllm-{mode}-"))
         self.proc: Proc | None = None

@@ -35,7 +35,7 @@ from typing import Any
 
 import httpx
 
-from tests.support.harness import LOOPBACK, Owned, Proc, base_env, free_port_in, wait_until
+from tests.support.harness import LOOPBACK, Owned, Proc, base_env, free_port, wait_until
 
 #: Start-up deadline of a worker or a client (they take 0.4-0.6 s on an idle machine).
 START_TIMEOUT = 30.0
@@ -125,7 +125,7 @@ class FakeDynamoWorker(Owned):
         self.kv_dir = Path(kv_dir)
         self.health_check_payload = health_check_payload
         self.env_extra = dict(env_extra or {})
-        self.system_port = free_port_in(10000, 32000)  # Dynamo parses it as an i16
+        self.system_port = free_port()  # below 32768: Dynamo parses it as an i16
         self.workdir = Path(tempfile.mkdtemp(prefix=f"fakedynamo-{backend}-{mode}-"))
         self.proc: Proc | None = None
         self.control_port: int | None = None

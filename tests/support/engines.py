@@ -20,7 +20,6 @@ from tests.support.harness import (
     Proc,
     base_env,
     free_port,
-    free_port_in,
     wait_until,
 )
 from tests.support.prerequisites import missing as prerequisite_missing
@@ -95,7 +94,7 @@ class Dynamo:
     def __init__(self) -> None:
         self.paths = require("DYNAMO_PYTHON", "DYNAMO_MODEL_DIR")
         self.workdir = Path(tempfile.mkdtemp(prefix="dynamo-"))
-        self.system_port = free_port_in(10000, 32000)  # Dynamo parses it as an i16
+        self.system_port = free_port()  # below 32768: Dynamo parses it as an i16
         self.frontend_port = free_port()
         self.worker: Proc | None = None
         self.frontend: Proc | None = None
@@ -195,7 +194,7 @@ class MockerWorker(Owned):
         self.name = name
         self.extra = list(extra)
         self.env = base_env() | dynamo_env(self.kv_dir) | {"DYN_LOG": "warn"}
-        self.system_port = free_port_in(10000, 32000)  # Dynamo parses it as an i16
+        self.system_port = free_port()  # below 32768: Dynamo parses it as an i16
         self.proc: Proc | None = None
         self.instance_id: int | None = None
         self.endpoint_path = "dynamo.backend.generate"

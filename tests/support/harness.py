@@ -26,22 +26,40 @@ ROOT = Path(__file__).resolve().parents[2]
 T = TypeVar("T")
 
 
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default range starts here
+
+
+# Ports are picked below the kernel's ephemeral range, so no socket the kernel numbers itself
+# (a bind to port 0, a connect's source port) can take one between its pick and the engine's
+# bind: a vLLM rank 0 once found its pre-picked RPC port taken by such a socket. Nor is a port
+# handed out twice in one test session.
+_PORTS_LOW, _PORTS_HIGH = 10000, min(_ephemeral_low() - 1, 32767)
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((LOOPBACK, 0))
-        return int(sock.getsockname()[1])
+    """A loopback port that is free now, outside the ephemeral range, never handed out before."""
+    return free_port_in(_PORTS_LOW, _PORTS_HIGH)
 
 
 def free_port_in(low: int, high: int) -> int:
-    """A free loopback port in [low, high] (Dynamo's DYN_SYSTEM_PORT is an i16: at most 32767)."""
+    """A free loopback port in [low, high] (Dynamo's DYN_SYSTEM_PORT is an i16: at most 32767),
+    never one handed out before in this session."""
     for _ in range(200):
         port = random.randint(low, high)
+        if port in _handed_out:
+            continue
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             try:
                 sock.bind((LOOPBACK, port))
             except OSError:
                 continue
-            return port
+        _handed_out.add(port)
+        return port
     raise RuntimeError(f"no free port in {low}-{high}")
 
 
