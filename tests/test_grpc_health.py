@@ -8,6 +8,7 @@ failure threshold 2 (tests/conftest.py).
 
 from __future__ import annotations
 
+import asyncio
 import queue
 import signal
 import socket
@@ -22,6 +23,12 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from sidecar.config import ConfigError, load_settings
+from sidecar.core.evidence.result import Outcome, Result
+from sidecar.core.observations import Registered
+from sidecar.core.verdict import HEARTBEAT_STALE
+from sidecar.probes import plan_canary
+from sidecar.runtime.health import Health
+from sidecar.surface.grpchealth import TICK, GrpcHealth
 from sidecar.tools.probes import render
 from tests.support.configured import run_cli, settings_from
 from tests.support.harness import LOOPBACK, ROOT, FakeEngine, Sidecar, free_port
@@ -230,6 +237,34 @@ def test_liveness_follows_live_as_time_alone_runs_out(engine, sidecar, grpc_clie
     fake.fault(hang_generation=False)
     liveness.until(SERVING, RELEASE_TO_READY)
     assert side.get("/live").status_code == 200
+
+
+def test_watch_turns_not_serving_when_the_monitor_falls_silent(monkeypatch, grpc_client, watches):
+    """A monitor that stopped publishes no snapshot and no event: the server's own tick sees the
+    time pass, as /health's stale rule does. In-process, on a clock the test moves."""
+    port = free_port()
+    settings = settings_from(monkeypatch, SIDECAR_GRPC_PORT=str(port))
+    now = [1000.0]
+    health = Health(settings, [plan_canary(settings)], clock=lambda: now[0])
+    unit = next(iter(health.plans))
+    registered = Result(Outcome.SUCCESS, "GET /health -> 200", now[0], now[0], time.time())
+    health.observe(Registered(unit, registered))
+    server = GrpcHealth(health, LOOPBACK, port)
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_until_complete, args=(server.serve(),))
+    thread.start()
+    try:
+        client = grpc_client(port)
+        grpc.channel_ready_future(client.channel).result(timeout=5)
+        readiness = client.watch("readiness")
+        watches.append(readiness)
+        assert readiness.next(STEP)[1] == SERVING
+        now[0] += HEARTBEAT_STALE + 1  # from here on the monitor publishes nothing
+        readiness.until(NOT_SERVING, TICK + STEP)
+    finally:
+        loop.call_soon_threadsafe(setattr, server, "should_exit", True)
+        thread.join(5)
+        loop.close()
 
 
 # --- shutdown, and a port already taken ----------------------------------------------------------

@@ -10,12 +10,13 @@ HTTP routes, by service name:
 - any other name: NOT_FOUND (Check) or SERVICE_UNKNOWN (Watch), as the library answers.
 
 The library's own servicer (grpcio-health-checking) holds the statuses and streams them. They are
-set, never polled: :class:`GrpcHealth` subscribes to Health's events (called on the monitor's
-thread after each new snapshot is published, the heartbeat's included, so a liveness clock that
-runs out by time alone is seen within a tick) and sets the services whose status changed. A Check
-also brings the statuses up to its own moment first, as a ``/health`` answer reads the snapshot
-at its own moment (a monitor that stopped running turns readiness NOT_SERVING, as it turns
-``/health`` 503).
+set, never polled by a client: :class:`GrpcHealth` subscribes to Health's events (called on the
+monitor's thread after each new snapshot is published, the heartbeat's included, so a liveness
+clock that runs out by time alone is seen within a tick) and sets the services whose status
+changed. A Check also brings the statuses up to its own moment first, as a ``/health`` answer
+reads the snapshot at its own moment, and the server itself does so every :data:`TICK`: a monitor
+that stopped running, which publishes nothing, turns readiness NOT_SERVING on every Watch stream
+as it turns ``/health`` 503.
 
 Nothing slow runs on the monitor's thread: ``set`` only takes the servicer's lock and hands the
 new status to each Watch stream, whose own thread sends it (each stream keeps only the latest,
@@ -27,6 +28,7 @@ so they never take the threads Checks are answered on.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import logging
 import threading
@@ -53,6 +55,9 @@ CHECK_THREADS = 4  # Checks are answered from memory
 WATCH_THREADS = 16  # Watch streams served at once
 MAX_CALLS = 64  # calls at once (Watch streams included); more are refused with RESOURCE_EXHAUSTED
 GRACE = 1.0  # seconds calls in flight get to finish on shutdown; Watch streams are then ended
+# Seconds between the server's own refreshes: what time alone changes reaches Watch streams even
+# when the monitor publishes nothing (a monitor fallen silent: readiness NOT_SERVING, as /health).
+TICK = 0.5
 # No SO_REUSEPORT (gRPC's default): a port another process holds fails the bind, loudly.
 OPTIONS = (("grpc.so_reuseport", 0),)
 
@@ -173,7 +178,11 @@ class GrpcHealth:
             ", ".join(sorted(self.health.snapshot.endpoint_verdicts)),
         )
         try:
-            await self._exit.wait()
+            while not self._exit.is_set():
+                self.refresh()
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(TICK):
+                        await self._exit.wait()
         finally:
             self.servicer.enter_graceful_shutdown()
             stopped = server.stop(self.grace)
