@@ -16,6 +16,7 @@ from types import FrameType
 
 import uvicorn
 
+from fakeengine import grpchealth
 from fakeengine.app import build_app
 from fakeengine.backends import BACKENDS
 from fakeengine.state import (
@@ -115,6 +116,14 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"sglang only (default {DEFAULT_TRANSFER_BACKEND}): a prefill server refuses to start "
         "with 'fake', as SGLang's does; decode accepts it",
     )
+    parser.add_argument(
+        "--grpc-health-port",
+        type=int,
+        metavar="PORT",
+        help="vllm only: also serve grpc.health.v1 on PORT as vLLM's gRPC server does (services "
+        "'' and vllm.grpc.engine.VllmEngine, SERVING unless loading, dead or health_status >= "
+        "300; see fakeengine/grpchealth.py)",
+    )
     parser.add_argument("--port-file", type=Path, help="write the bound port here (atomically)")
     parser.add_argument("--log-level", choices=LOG_LEVELS, default="warning")
     return parser
@@ -130,6 +139,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"--dp-size {args.dp_size}: data-parallel ranks exist only for --backend "
             + " and ".join(DP_BACKENDS)
         )
+    if args.grpc_health_port is not None and args.backend != "vllm":
+        parser.error("--grpc-health-port exists only for --backend vllm")
     if args.disaggregation_transfer_backend is not None and args.backend != "sglang":
         parser.error("--disaggregation-transfer-backend exists only for --backend sglang")
     transfer_backend = args.disaggregation_transfer_backend or DEFAULT_TRANSFER_BACKEND
@@ -193,7 +204,18 @@ async def _run(args: argparse.Namespace) -> int:
         f"backend={args.backend} mode={args.mode}{ranks}",
         flush=True,
     )
-    await server.serve(sockets=[sock])
+    grpc_server = None
+    if args.grpc_health_port is not None:
+        try:
+            grpc_server = await grpchealth.start(state, args.host, args.grpc_health_port)
+        except RuntimeError as exc:
+            print(f"fakeengine: cannot serve gRPC health: {exc}", file=sys.stderr)
+            return 1
+    try:
+        await server.serve(sockets=[sock])
+    finally:
+        if grpc_server is not None:
+            await grpc_server.stop(grpchealth.GRACE)
     return 0
 
 

@@ -309,6 +309,7 @@ class EngineState:
         self._output = asyncio.Event()
         # Generations running now, by request id (an abort by id finds them here).
         self.jobs: dict[str, Job] = {}
+        self.grpc_checks = 0  # grpc.health.v1 Checks answered (--grpc-health-port)
 
     # -- data-parallel ranks ---------------------------------------------------------------------
 
@@ -626,6 +627,7 @@ class EngineState:
                 "computed": self._total("abandoned_computed"),
             },
             "pid": self.pid,
+            "grpc_checks": self.grpc_checks,
             "dp_size": self.dp_size,
             "ranks": [self._rank_snapshot(rank) for rank in self.ranks],
         }

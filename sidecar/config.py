@@ -15,6 +15,7 @@ import json
 import os
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -358,6 +359,16 @@ class Settings(BaseSettings):
         "(vllm, trtllm, openai) or /v1/models (sglang, whose /health runs a generation).",
         "a URL path starting with /",
     )
+    registration: str | None = _env(
+        "SIDECAR_REGISTRATION",
+        None,
+        "Ask the engine's own gRPC health service instead of an HTTP route: "
+        "grpc://HOST:PORT/SERVICE makes each registration check a grpc.health.v1 Check of "
+        "SERVICE (none: the server as a whole), registered while it answers SERVING (vLLM's gRPC "
+        "server: grpc://127.0.0.1:50051/vllm.grpc.engine.VllmEngine). Canaries still go to "
+        "SIDECAR_ENGINE_URL. Unset: GET SIDECAR_REGISTRATION_PATH.",
+        "grpc://HOST:PORT or grpc://HOST:PORT/SERVICE",
+    )
     progress_enabled: bool = _env(
         "SIDECAR_PROGRESS_ENABLED",
         True,
@@ -584,6 +595,11 @@ class Settings(BaseSettings):
         return "auto" if counts and self.transport is Transport.HTTP else 1
 
     @property
+    def grpc_registration(self) -> GrpcTarget | None:
+        """SIDECAR_REGISTRATION parsed (validated at load), or None: the HTTP route."""
+        return None if self.registration is None else grpc_target(self.registration)
+
+    @property
     def effective_stall_window(self) -> float:
         if self.stall_window is not None:
             return self.stall_window
@@ -634,6 +650,13 @@ class Settings(BaseSettings):
             raise ValueError("port 0")
         return value.rstrip("/")
 
+    @field_validator("registration")
+    @classmethod
+    def _registration(cls, value: str | None) -> str | None:
+        if value is not None:
+            grpc_target(value)  # raises ValueError naming what is wrong
+        return value
+
     @field_validator("dynamo_endpoint")
     @classmethod
     def _dynamo_endpoint(cls, value: str | None) -> str | None:
@@ -658,6 +681,43 @@ class Settings(BaseSettings):
         if value is not None and not value.strip():
             raise ValueError("blank")
         return value
+
+
+@dataclass(frozen=True)
+class GrpcTarget:
+    """SIDECAR_REGISTRATION parsed: where the engine's gRPC health service listens, and which
+    service's status the registration check asks for ("" is the server as a whole)."""
+
+    host: str
+    port: int
+    service: str
+
+    @property
+    def address(self) -> str:
+        """host:port as grpc's channel takes it (an IPv6 address in brackets)."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}"
+
+
+def grpc_target(value: str) -> GrpcTarget:
+    """Parse ``grpc://HOST:PORT[/SERVICE]``; raise ValueError naming what is wrong."""
+    try:
+        parts = urlsplit(value)
+        port = parts.port
+    except ValueError:
+        raise ValueError("not a URL") from None
+    if parts.scheme != "grpc" or not parts.hostname:
+        raise ValueError("not a grpc:// URL with a host")
+    if parts.query or parts.fragment or parts.username or parts.password:
+        raise ValueError("has a query, fragment or credentials")
+    if "\\" in value or _host_problem(parts.hostname):
+        raise ValueError("the host is not an IP address or host name")
+    if port is None or port == 0:
+        raise ValueError("no port (the engine's gRPC server has no default)")
+    service = parts.path.removeprefix("/")
+    if not re.fullmatch(r"[A-Za-z0-9_.-]*", service):
+        raise ValueError("the service is not a gRPC service name (letters, digits, _ . -)")
+    return GrpcTarget(parts.hostname, port, service)
 
 
 class ConfigError(Exception):
@@ -744,6 +804,18 @@ def _cross_checks(s: Settings) -> list[str]:
             f"{env_name('dp_ranks')} ({s.dp_ranks})"
         )
     lines += _transport_checks(s)
+    if s.registration is not None and s.transport is Transport.DYNAMO:
+        lines.append(
+            f"{env_name('registration')}={s.registration!r}: expected unset "
+            f"({env_name('transport')}=dynamo reads the worker's registration from its system "
+            "server and from discovery)"
+        )
+    elif s.registration is not None and s.registration_path is not None:
+        lines.append(
+            f"{env_name('registration_path')}={s.registration_path!r}: expected unset with "
+            f"{env_name('registration')} (the registration check asks the gRPC health service "
+            "instead)"
+        )
     if s.control_port is not None and s.control_port == s.system_port:
         lines.append(
             f"{env_name('control_port')}={s.control_port}: expected a port other than "

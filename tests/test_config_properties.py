@@ -297,6 +297,31 @@ def url_strategies() -> tuple[st.SearchStrategy[str], st.SearchStrategy[str]]:
     return malformed, valid
 
 
+def grpc_target_strategies() -> tuple[st.SearchStrategy[str], st.SearchStrategy[str]]:
+    """SIDECAR_REGISTRATION: grpc://HOST:PORT[/SERVICE]."""
+    host = st.one_of(HOST_NAME.filter(lambda h: not h.isdigit()), IPV4)
+    port = st.integers(1, 65535)
+    service = st.from_regex(r"[A-Za-z0-9_.-]{0,40}", fullmatch=True)
+    malformed = st.one_of(
+        st.builds("{}://{}:{}".format, st.sampled_from(["http", "https", "tcp", ""]), host, port),
+        st.builds("grpc://{}".format, host),  # no port
+        st.builds("grpc://{}:0".format, host),
+        st.builds("grpc://{}:{}".format, host, st.integers(min_value=65536)),
+        st.builds("grpc://{}:{}/{} x".format, host, port, SAFE_NAME),  # not a service name
+        st.builds("grpc://{}:{}?{}=1".format, host, port, SAFE_NAME),  # a query
+        st.builds("grpc://{}@{}:{}".format, SAFE_NAME, host, port),  # credentials
+        st.sampled_from(["grpc://", "grpc://:50051", "grpc:///x"]),
+        ANY_TEXT.filter(lambda v: "://" not in v),
+    )
+    valid = st.builds(
+        "grpc://{}:{}{}".format,
+        st.one_of(HOST_NAME, IPV4, st.just("[::1]")),
+        port,
+        st.one_of(st.just(""), service.map("/{}".format)),
+    )
+    return malformed, valid
+
+
 @dataclass(frozen=True)
 class Kind:
     """How to make malformed and valid values of one variable, and what a valid one parses to."""
@@ -328,6 +353,7 @@ def kind_of(name: str) -> Kind | None:
         "DYN_HEALTH_CHECK_PAYLOAD": lambda: Kind(*payload_strategies(), parsed=_payload),
         "SIDECAR_ENGINE_URL": lambda: Kind(*url_strategies(), parsed=lambda v: v.rstrip("/")),
         "SIDECAR_KV_PEER_URL": lambda: Kind(*url_strategies(), parsed=lambda v: v.rstrip("/")),
+        "SIDECAR_REGISTRATION": lambda: Kind(*grpc_target_strategies(), parsed=lambda v: v),
         "DYN_SYSTEM_HOST": lambda: Kind(
             None,
             VALID_HOST,

@@ -428,6 +428,59 @@ def test_liveness_never_fails_while_the_health_route_answers_non_200_or_refuses(
     assert decide_liveness({"generate": ep}, 1000.0, POLICY.liveness_window).live
 
 
+# The gRPC health's answers, as on_registration sees them: "serving", "not_serving" (a status),
+# "other" (another non-OK status: NOT_FOUND, UNKNOWN), "refused" (nothing listens), "timeout".
+GRPC_ANSWERS = {
+    "serving": result(Outcome.SUCCESS),
+    "not_serving": replace(result(Outcome.ERROR), not_serving=True),
+    "other": result(Outcome.ERROR),
+    "refused": result(Outcome.REFUSED),
+    "timeout": result(Outcome.TIMEOUT),
+}
+
+
+@pytest.mark.parametrize(
+    ("answers", "since"),
+    [
+        (["not_serving", "not_serving"], None),  # warming up: it never served
+        (["serving", "not_serving"], 1),  # it served, and now says it cannot
+        (["serving", "not_serving", "not_serving", "not_serving"], 1),  # from the first one on
+        (["serving", "not_serving", "timeout"], 1),  # then silent: the same trouble
+        (["serving", "not_serving", "serving"], None),  # serving again
+        (["serving", "not_serving", "refused"], None),  # the server went away (a restart)
+        (["serving", "not_serving", "refused", "not_serving"], None),  # a new one, warming up
+        (["serving", "not_serving", "other"], None),  # another answer: not this clock's
+        (["serving", "other", "not_serving"], None),  # it did not come straight from serving
+        (["serving", "refused"], None),
+    ],
+)
+def test_not_serving_after_serving_starts_a_clock(answers, since):
+    state = RegistrationState()
+    for i, name in enumerate(answers):
+        answer = replace(GRPC_ANSWERS[name], started=float(i), finished=i + 0.01)
+        state = on_registration(
+            state, answer, progressing=False, canary_decides=False, threshold=99
+        )
+    assert state.not_serving_since == since
+
+
+def test_a_server_that_stays_up_saying_not_serving_fails_liveness():
+    ep = registered(has_canary=False)
+    said = replace(result(Outcome.ERROR, 1.0), not_serving=True, reason="Check(''): NOT_SERVING")
+    for t in range(1, 13):
+        ep = apply_registration(ep, replace(said, started=float(t), finished=t + 0.01), POLICY)
+    within = decide_liveness({"generate": ep}, 10.9, POLICY.liveness_window)
+    assert within.live is True
+    assert within.cause is Cause.NOT_SERVING
+    got = decide_liveness({"generate": ep}, 11.0, POLICY.liveness_window)
+    assert got.live is False
+    assert got.reason == (
+        "generate: engine says it is not serving for 10.0 s (window 10 s): Check(''): NOT_SERVING"
+    )
+    gone = apply_registration(ep, result(Outcome.REFUSED, 13.0), POLICY)
+    assert decide_liveness({"generate": gone}, 1000.0, POLICY.liveness_window).live
+
+
 def test_registration_timeouts_have_their_own_clock_without_a_canary():
     ep = registered(has_canary=False)
     for t in range(1, 14):

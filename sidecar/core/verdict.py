@@ -46,13 +46,16 @@ liveness window, each started and ended by its own source only:
   discovery while its system server answers (ended when it is listed again, or the worker stops
   answering: only a restart registers an orphaned worker again);
 - engine reports a fault: vLLM's fault-tolerance status says the rank is unhealthy or dead
-  (started by the first read that says so; ended when it reports healthy, or recovering).
+  (started by the first read that says so; ended when it reports healthy, or recovering);
+- engine says it is not serving: its gRPC health (SIDECAR_REGISTRATION) answers NOT_SERVING
+  after it answered SERVING, from a server that stays up (vLLM's gRPC server with its engine
+  dead does so for good); started by the first NOT_SERVING, ended by SERVING or a refusal.
 
 An endpoint fails liveness when its first clock reaches the window; the cause named is that
 clock's, or "not discoverable" whenever that one runs (no canary reaches an orphan).
 
-A refused connection or a non-200 health answer stops every clock: a loading, draining or gone
-engine is never restarted by this sidecar; nor is a paused one (asleep, or in maintenance).
+A refused connection or any other non-200 health answer stops every clock: a loading, draining or
+gone engine is never restarted by this sidecar; nor is a paused one (asleep, or in maintenance).
 """
 
 from __future__ import annotations
@@ -264,6 +267,7 @@ class Cause(StrEnum):
     STALL = "stalled"
     UNDISCOVERABLE = "not discoverable"
     FAULT = "engine reports a fault"
+    NOT_SERVING = "engine says it is not serving"
 
 
 def clocks(ep: EndpointState) -> dict[Cause, float]:
@@ -273,6 +277,8 @@ def clocks(ep: EndpointState) -> dict[Cause, float]:
         return running
     if ep.registration.timeout_since is not None:
         running[Cause.REGISTRATION] = ep.registration.timeout_since
+    if ep.registration.not_serving_since is not None:
+        running[Cause.NOT_SERVING] = ep.registration.not_serving_since
     if ep.registration.registered:
         if ep.discovery.missing_since is not None:
             running[Cause.UNDISCOVERABLE] = ep.discovery.missing_since
@@ -286,7 +292,7 @@ def clocks(ep: EndpointState) -> dict[Cause, float]:
 
 
 def _current_reason(ep: EndpointState, cause: Cause) -> str:
-    if cause is Cause.REGISTRATION:
+    if cause in (Cause.REGISTRATION, Cause.NOT_SERVING):
         return ep.registration.reason
     if cause is Cause.UNDISCOVERABLE:
         return ep.discovery.reason()

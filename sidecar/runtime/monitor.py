@@ -64,6 +64,7 @@ from sidecar.core.schedule import Job, Timing, Work, next_due
 from sidecar.probes import CanaryPlan, Probe, ProbeKind
 from sidecar.probes.http import HttpCanary
 from sidecar.runtime.engine import EngineClient, NoAnswer
+from sidecar.runtime.grpcregistration import GrpcRegistration, asks_engine_http
 from sidecar.runtime.health import Health
 from sidecar.runtime.requestplane.worker import DynamoWorker
 
@@ -104,6 +105,7 @@ class Monitor:
         probes: Mapping[ProbeKind, Probe] | None = None,
         probe_interval: float = 60.0,
         worker: DynamoWorker | None = None,
+        grpc_registration: GrpcRegistration | None = None,
     ) -> None:
         self.health = health
         self.client = client
@@ -113,6 +115,8 @@ class Monitor:
         # One probe per kind (sidecar.probes.kinds); the HTTP canary by default.
         self.probes: Mapping[ProbeKind, Probe] = probes or {ProbeKind.HTTP: HttpCanary(client)}
         self.worker = worker
+        # SIDECAR_REGISTRATION: the engine's gRPC health service instead of its HTTP route.
+        self.grpc_registration = grpc_registration
         self.discover_ranks = discover_ranks
         self.timing = Timing(
             registration=registration_interval,
@@ -280,7 +284,10 @@ class Monitor:
             self.observe(DiscoverySaid(unit, check.listed, instance, worker.plane.where))
 
     async def _check_registration(self) -> None:
-        result = await self.client.registration(self.registration_path)
+        if self.grpc_registration is not None:
+            result = await self.grpc_registration()
+        else:
+            result = await self.client.registration(self.registration_path)
         units = list(self.health.plans)
         if result.ok:
             snap = self.health.snapshot
@@ -309,6 +316,9 @@ class Monitor:
         await self._ask_sleep()
         await self._ask_faults()
 
+    def _over_http(self, plan: CanaryPlan) -> bool:
+        return asks_engine_http(plan, over_grpc=self.grpc_registration is not None)
+
     async def _ask_sleep(self) -> None:
         """Ask the engine's sleep route once for every unit whose backend has one."""
         snap = self.health.snapshot
@@ -316,7 +326,8 @@ class Monitor:
         for unit, plan in self.health.plans.items():
             path = plan.prober.sleep_path
             ep = snap.endpoints[unit]
-            if path and ep.registration.registered and not ep.lifecycle.sleep_route_missing:
+            asked = ep.registration.registered and not ep.lifecycle.sleep_route_missing
+            if path and self._over_http(plan) and asked:
                 asking.setdefault(path, []).append(unit)
         for path, units in asking.items():
             sleeping, why, missing = await self.client.sleep_state(path)
@@ -335,6 +346,7 @@ class Monitor:
             if (
                 path
                 and plan.probe.is_canary
+                and self._over_http(plan)
                 and ep.registration.registered
                 and not ep.faults.missing
             ):

@@ -31,6 +31,7 @@ from sidecar.probes.http import HttpCanary
 from sidecar.probes.kinds import Probe, ProbeKind
 from sidecar.probes.transfer import TransferProbe
 from sidecar.runtime.engine import EngineClient
+from sidecar.runtime.grpcregistration import GrpcRegistration
 from sidecar.runtime.health import Health
 from sidecar.runtime.monitor import Monitor
 from sidecar.runtime.requestplane import environment, runtimelog
@@ -191,6 +192,19 @@ class MonitorThread:
             probes=self._probes(client, probe, worker),
             probe_interval=settings.kv_probe_interval,
             worker=worker,
+            grpc_registration=self._grpc_registration(),
+        )
+
+    def _grpc_registration(self) -> GrpcRegistration | None:
+        """SIDECAR_REGISTRATION's check of the engine's gRPC health service, when set."""
+        target = self.settings.grpc_registration
+        if target is None:
+            return None
+        return GrpcRegistration(
+            target,
+            timeout=self.settings.request_timeout,
+            interval=self.settings.registration_interval,
+            clock=self.parts.health.clock,
         )
 
     @staticmethod
@@ -223,6 +237,8 @@ class MonitorThread:
         finally:
             for each in monitor.probes.values():  # before the clients they send through
                 await each.aclose()
+            if monitor.grpc_registration is not None:
+                await monitor.grpc_registration.aclose()
             await client.aclose()
             if plane is not None:
                 await plane.aclose()
@@ -454,6 +470,8 @@ class Sidecar:
             settings.engine_url,
             "on: " + plan.why if plan.enabled else "off: " + plan.why,
         )
+        if settings.registration is not None:
+            log.info("registration: grpc.health.v1 Check at %s", settings.registration)
         if settings.control_port is not None:
             log.info(
                 "control routes on http://%s:%d/maintenance (loopback only, %s)",

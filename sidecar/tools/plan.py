@@ -9,6 +9,7 @@ from typing import Any
 from sidecar.config import DiscoveryBackend, Settings, Transport
 from sidecar.core.verdict import RULE_TEXT, Rule
 from sidecar.probes import CanaryPlan, plan_canary
+from sidecar.runtime.grpcregistration import asks_engine_http
 from sidecar.runtime.health import policy_from
 
 MODEL_PLACEHOLDER = "<served model, from GET /v1/models>"
@@ -78,7 +79,9 @@ def _progress_lines(plan: CanaryPlan, s: Settings) -> list[str]:
 
 def _lifecycle_lines(plan: CanaryPlan, s: Settings) -> list[str]:
     prober = plan.prober
-    if prober.sleep_path:
+    if prober.sleep_path and not _over_http(plan, s):
+        sleep = f"sleep          not asked ({_NO_HTTP})"
+    elif prober.sleep_path:
         gauges = " or ".join(f"{s} at 0" for s in prober.awake)
         sleep = (
             f"sleep          GET {prober.sleep_path} with each registration check (a 404: the "
@@ -100,10 +103,19 @@ def _lifecycle_lines(plan: CanaryPlan, s: Settings) -> list[str]:
     return [sleep, _faults_line(plan, s), control]
 
 
+_NO_HTTP = "registered over gRPC without a canary: the engine may serve no HTTP"
+
+
+def _over_http(plan: CanaryPlan, s: Settings) -> bool:
+    return asks_engine_http(plan, over_grpc=s.grpc_registration is not None)
+
+
 def _faults_line(plan: CanaryPlan, s: Settings) -> str:
     path = plan.prober.fault_path
     if path is None or s.transport is Transport.DYNAMO:
         return f"faults         not read ({s.backend} over {s.transport} reports none)"
+    if not _over_http(plan, s):
+        return f"faults         not read ({_NO_HTTP})"
     return (
         f"faults         GET {path} with each registration check (vLLM's fault tolerance; a 404: "
         "not served, not asked again this incarnation): a rank reported unhealthy or dead -> "
@@ -220,8 +232,13 @@ def render(settings: Settings) -> str:
     return "\n".join(lines)
 
 
-def _registration_path(plan: CanaryPlan, s: Settings) -> str:
-    return s.registration_path or plan.prober.registration_path
+def _registration_check(plan: CanaryPlan, s: Settings) -> tuple[str, str]:
+    """(the check, what a registered engine answers): the HTTP route, or SIDECAR_REGISTRATION's
+    grpc.health.v1 Check."""
+    target = s.grpc_registration
+    if target is not None:
+        return f"grpc.health.v1 Check({target.service!r}) at {target.address}", "SERVING"
+    return f"GET {s.registration_path or plan.prober.registration_path}", "200"
 
 
 def _engine_lines(plan: CanaryPlan, s: Settings) -> list[str]:
@@ -235,8 +252,8 @@ def _engine_lines(plan: CanaryPlan, s: Settings) -> list[str]:
     if s.transport is Transport.DYNAMO:
         return lines + _dynamo_lines(plan, s)
     every = f"every {s.registration_interval:g} s, timeout {s.request_timeout:g} s"
-    path = _registration_path(plan, s)
-    return [*lines, f"registration   GET {path} {every}: registered while it answers 200"]
+    check, answer = _registration_check(plan, s)
+    return [*lines, f"registration   {check} {every}: registered while it answers {answer}"]
 
 
 def _canary_lines(plan: CanaryPlan, s: Settings) -> list[str]:
@@ -288,7 +305,8 @@ def _no_canary_lines(plan: CanaryPlan, s: Settings) -> list[str]:
     if s.transport is Transport.DYNAMO:
         when = "registered (the system server names the instance)"
     else:
-        when = f"registered (GET {_registration_path(plan, s)} answers 200)"
+        check, answer = _registration_check(plan, s)
+        when = f"registered ({check} answers {answer})"
     return [f"  canary       no: {plan.why}", f"  ready when   {when}"]
 
 
@@ -302,13 +320,16 @@ def _verdict_lines(plan: CanaryPlan, s: Settings) -> list[str]:
         if s.transport is Transport.DYNAMO
         else "stall; never while"
     )
+    over_grpc = s.grpc_registration is not None
+    said = "the engine's gRPC health answering NOT_SERVING after SERVING, " if over_grpc else ""
+    otherwise = "otherwise (or NOT_SERVING before it served)" if over_grpc else "with non-200"
     return [
         f"readiness      {RULE_TEXT[rule]}{counted}",
         f"               before an endpoint's first verdict: {s.starting_health_status} "
         "(DYN_SYSTEM_STARTING_HEALTH_STATUS)",
         f"liveness       fails after {s.liveness_window:g} s on one clock: registration timing "
-        f"out (a role without a canary), canary failing hard (timeouts, 5xx), a confirmed {gone}"
-        " the engine answers its health route with non-200, refuses "
+        f"out (a role without a canary), {said}canary failing hard (timeouts, 5xx), a confirmed "
+        f"{gone} the engine answers its health route {otherwise}, refuses "
         "connections, or rejects a canary that never passed (4xx)",
     ]
 

@@ -393,3 +393,63 @@ def ft_pair(trigger_dir: Path) -> Iterator[tuple[FaultTolerantRank, FaultToleran
     finally:
         for rank in reversed(ranks):
             rank.stop()
+
+
+# --- the gRPC server --------------------------------------------------------------------------
+GRPC_ENGINE_SERVICE = "vllm.grpc.engine.VllmEngine"  # smg-grpc-servicer's readiness service
+
+
+class VllmGrpcServer(VllmServer):
+    """``python -m vllm.entrypoints.launchers.grpc_server``: vLLM's gRPC server (smg-grpc-servicer
+    from ``VLLM_GRPC_DIR`` on PYTHONPATH) on a free loopback port. It serves the VllmEngine
+    service and ``grpc.health.v1`` (services "" and :data:`GRPC_ENGINE_SERVICE`), and no HTTP."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.paths |= require("VLLM_GRPC_DIR")
+
+    @property
+    def name(self) -> str:
+        return "vllm-grpc"
+
+    @property
+    def target(self) -> str:
+        return f"{LOOPBACK}:{self.port}"
+
+    def env(self) -> dict[str, str]:
+        env = super().env()
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (self.paths["VLLM_GRPC_DIR"], env.get("PYTHONPATH")) if p
+        )
+        return env
+
+    def argv(self) -> list[str]:
+        argv = [self.paths["VLLM_PYTHON"], "-m", "vllm.entrypoints.launchers.grpc_server"]
+        argv += ["--model", self.paths[self.model_key], "--served-model-name", MODEL]
+        argv += ["--max-model-len", str(MAX_MODEL_LEN), "--dtype", "float32"]
+        return [*argv, "--host", LOOPBACK, "--port", str(self.port), *self.extra]
+
+    def check(self, service: str = GRPC_ENGINE_SERVICE, timeout: float = 2) -> str:
+        """A grpc.health.v1 Check: the status's name, or the call's status code's name."""
+        import grpc
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        with grpc.insecure_channel(self.target) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            try:
+                answer = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+            except grpc.RpcError as exc:
+                return str(exc.code().name)  # type: ignore[attr-defined]
+        return str(health_pb2.HealthCheckResponse.ServingStatus.Name(answer.status))
+
+    def wait_ready(self, timeout: float = START_TIMEOUT) -> float:
+        """Wait for SERVING on the engine's service; return seconds since start."""
+
+        def ready() -> bool:
+            self._check_alive()
+            return self.check(timeout=1) == "SERVING"
+
+        wait_until(ready, timeout, interval=0.25, what=f"{self.name} to answer SERVING")
+        assert self.started_at is not None
+        self.ready_after = time.monotonic() - self.started_at
+        return self.ready_after

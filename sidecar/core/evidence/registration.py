@@ -1,7 +1,9 @@
 """Registration: the engine's own cheap health route (vLLM's /health, SGLang's /v1/models, ...).
 
 It answers "is the engine up with its model loaded", never "does it compute": the canary does
-that. A refusal or a non-200 answer deregisters at once (gone, loading, draining). A timeout is
+that. A refusal or a non-200 answer deregisters at once (gone, loading, draining); an engine that
+served and then says "not serving" as a status (grpc.health.v1's NOT_SERVING) starts a liveness
+clock, which a refusal or SERVING ends. A timeout is
 ambiguous, slow or frozen: it is load when the engine's counters advanced meanwhile. Otherwise,
 for a role with a canary, it sends a canary at once and the canary decides (on vLLM under load on
 two cores the health route took over a second while the engine computed: deregistering on it was
@@ -25,6 +27,9 @@ class RegistrationState:
     note: str | None = None  # why the last timeout did not deregister
     doubt: bool = False  # the last check timed out unexcused: a canary should find out now
     identity: str | None = None  # what registered, where it can change (a Dynamo instance)
+    # liveness clock: the engine has said it is not serving (a status from a server that stays
+    # up, not a refusal) ever since it last served, with no refusal between
+    not_serving_since: float | None = None
 
     @property
     def answers_200(self) -> bool:
@@ -66,9 +71,17 @@ def on_registration(
             identity=result.identity,
         )
     if result.outcome is not Outcome.TIMEOUT:
-        # Gone, loading, draining or broken: deregistered now; not a hang, so no clock.
+        # Gone, loading, draining or broken: deregistered now; not a hang, so no timeout clock.
+        # But an engine that served and now says it cannot, from a server that stays up, will
+        # not come back by itself (vLLM's gRPC server with its engine dead): that starts one.
+        said = result.not_serving and (state.registered or state.not_serving_since is not None)
+        since = state.not_serving_since if state.not_serving_since is not None else result.started
         return RegistrationState(
-            registered=False, incarnation=state.incarnation, last=result, identity=state.identity
+            registered=False,
+            incarnation=state.incarnation,
+            last=result,
+            identity=state.identity,
+            not_serving_since=since if said else None,
         )
     timeouts = state.timeouts + 1
     if not state.registered:

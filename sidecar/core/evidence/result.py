@@ -37,6 +37,9 @@ class Result:
     # What answered a registration check, where it can change without a gap: a Dynamo worker's
     # instance (a new one is a new incarnation).
     identity: str | None = None
+    # A registration check answered "not serving" as a status, from a server that is up (the
+    # engine's gRPC health: NOT_SERVING), not a refusal: the engine says it cannot serve.
+    not_serving: bool = False
 
     @property
     def latency(self) -> float:
