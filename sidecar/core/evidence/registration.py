@@ -2,12 +2,12 @@
 
 It answers "is the engine up with its model loaded", never "does it compute": the canary does
 that. A refusal or a non-200 answer deregisters at once (gone, loading, draining); an engine that
-served and then says "not serving" as a status (grpc.health.v1's NOT_SERVING) starts a liveness
-clock, which a refusal or SERVING ends. A timeout is
-ambiguous, slow or frozen: it is load when the engine's counters advanced meanwhile. Otherwise,
-for a role with a canary, it sends a canary at once and the canary decides (on vLLM under load on
-two cores the health route took over a second while the engine computed: deregistering on it was
-a false 503); for a role without one, ``threshold`` timeouts in a row deregister.
+served and then says "not serving" as a status (grpc.health.v1's NOT_SERVING) also starts a
+liveness clock, which SERVING or a refusal ends. A timeout is ambiguous, slow or frozen: it is
+load when the engine's counters advanced meanwhile. Otherwise, for a role with a canary, it sends
+a canary at once and the canary decides (on vLLM under load on two cores the health route took
+over a second while the engine computed: deregistering on it was a false 503); for a role without
+one, ``threshold`` timeouts in a row deregister.
 """
 
 from __future__ import annotations
