@@ -116,8 +116,13 @@ def test_fake_sglang_runs_an_abandoned_request_on_until_it_notices():
                 trust_env=False,
             )
         engine.thaw()
-        state = fake.http.get(f"{fake.url}/_fake/state").json()["abandoned"]
-        assert state == {"aborted": 0, "computed": 1}
+
+        def abandoned() -> dict[str, int]:
+            return fake.http.get(f"{fake.url}/_fake/state").json()["abandoned"]
+
+        # Resumed, the engine reads the request and computes it: wait for that to be counted.
+        wait_until(lambda: sum(abandoned().values()) > 0, 1, what="the request to be counted")
+        assert abandoned() == {"aborted": 0, "computed": 1}
     finally:
         fake.close()
 
