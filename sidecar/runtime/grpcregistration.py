@@ -45,10 +45,6 @@ from sidecar.probes import CanaryPlan
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 _STATUS_NAMES = health_pb2.HealthCheckResponse.ServingStatus.Name
-_BY_CODE: dict[grpc.StatusCode, Outcome] = {
-    grpc.StatusCode.UNAVAILABLE: Outcome.REFUSED,
-    grpc.StatusCode.DEADLINE_EXCEEDED: Outcome.TIMEOUT,
-}
 DETAILS_CHARS = 200
 
 
@@ -122,4 +118,5 @@ def _refusal(exc: grpc.aio.AioRpcError, timeout: float) -> tuple[Outcome, str]:
     if code is grpc.StatusCode.UNIMPLEMENTED:
         return Outcome.ERROR, "UNIMPLEMENTED (the server serves no grpc.health.v1)"
     details = " ".join((exc.details() or "").split())[:DETAILS_CHARS]
-    return _BY_CODE.get(code, Outcome.ERROR), f"{code.name}" + (f": {details}" if details else "")
+    outcome = Outcome.REFUSED if code is grpc.StatusCode.UNAVAILABLE else Outcome.ERROR
+    return outcome, f"{code.name}" + (f": {details}" if details else "")
