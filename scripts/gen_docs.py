@@ -146,13 +146,11 @@ def settings_table(fields: Mapping[str, Any] | None = None) -> str:
 
 # --- policy ------------------------------------------------------------------------------------
 def _setting_names() -> dict[str, str]:
-    """Policy field -> the Settings attribute ``policy_from`` fills it from (read from its
+    """Policy field -> the Settings attribute ``Settings.policy`` fills it from (read from its
     source, so a field wired to another setting shows here)."""
-    from sidecar.runtime.health import policy_from
-
-    tree = ast.parse(textwrap.dedent(inspect.getsource(policy_from)))
+    tree = ast.parse(textwrap.dedent(inspect.getsource(Settings.policy)))
     call = next(n for n in ast.walk(tree) if isinstance(n, ast.Call) and n.keywords)
-    return {k.arg: ast.unparse(k.value).removeprefix("settings.") for k in call.keywords if k.arg}
+    return {k.arg: ast.unparse(k.value).removeprefix("self.") for k in call.keywords if k.arg}
 
 
 def _settings_ref(attr: str) -> str:
@@ -182,22 +180,21 @@ def _value(value: Any) -> str:
     return str(value)
 
 
-def _properties(cls: type) -> dict[str, property]:
-    """The class's properties in the order they are written (a subclass's last)."""
-    found: dict[str, property] = {}
-    for klass in reversed(cls.__mro__):
-        found |= {n: m for n, m in vars(klass).items() if isinstance(m, property)}
-    return found
+# The bounds the policy makes, each a sum of named terms (sidecar/core/evidence/policy.py).
+BOUNDS = ("to_ready", "to_notready", "to_notlive", "to_stalled")
+
+
+def _bound(policy: Policy, name: str) -> str:
+    made = getattr(policy, name)()
+    return f"{made} = {_number(made.seconds)} s"
 
 
 def policy_section(policy_cls: type = Policy) -> str:
     """The policy's fields and derived timings, with their values at ``Policy()`` and at the
     default settings."""
-    from sidecar.runtime.health import policy_from
-
     bare = policy_cls()
     settings = default_settings()
-    configured = policy_from(settings)
+    configured = settings.policy()
     if policy_cls is not Policy:
         configured = policy_cls(**dataclasses.asdict(configured))
     wired = _setting_names()
@@ -215,12 +212,17 @@ def policy_section(policy_cls: type = Policy) -> str:
         "",
         "| derived | formula | `Policy()` | default settings | what it is |",
         "|---|---|---|---|---|",
+        f"| `suspect_after` | `{_formula(policy_cls, 'suspect_after')}` | "
+        f"{_value(bare.suspect_after)} s | {_value(configured.suspect_after)} s | "
+        f"{_cell(policy_cls.suspect_after.__doc__ or '')} |",
+        "",
+        "| bound, at the longest | `Policy()` | default settings | what it is |",
+        "|---|---|---|---|",
     ]
-    for name, member in _properties(policy_cls).items():
-        doc = member.__doc__ or ""
+    for name in BOUNDS:
+        doc = getattr(policy_cls, name).__doc__ or ""
         lines.append(
-            f"| `{name}` | `{_formula(policy_cls, name)}` | {_value(getattr(bare, name))} s | "
-            f"{_value(getattr(configured, name))} s | {_cell(doc)} |"
+            f"| `{name}()` | {_bound(bare, name)} | {_bound(configured, name)} | {_cell(doc)} |"
         )
     return "\n".join(lines)
 

@@ -9,12 +9,10 @@ name one variable, the value it had and what was expected. Nothing falls back si
 
 from __future__ import annotations
 
-import importlib.util
-import ipaddress
 import json
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -25,43 +23,23 @@ from dotenv import dotenv_values
 from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-# The endpoints the sidecar monitors. Dynamo names the generation endpoint "generate"; it is the
-# only one a canary can prove, so it is the only one a user may list.
-GENERATE = "generate"
-MONITORED_ENDPOINTS: tuple[str, ...] = (GENERATE,)
-# Endpoints that exist only when configured (kv_transfer: SIDECAR_KV_PEER_URL). They inform,
-# and gate readiness only when DYN_SYSTEM_USE_ENDPOINT_HEALTH_STATUS lists them.
-KV_TRANSFER = "kv_transfer"
-OPTIONAL_ENDPOINTS: tuple[str, ...] = (KV_TRANSFER,)
+from sidecar.core.endpoint import KV_TRANSFER, MONITORED_ENDPOINTS, OPTIONAL_ENDPOINTS
+from sidecar.core.evidence.policy import Policy
+from sidecar.core.schedule import Timing
+from sidecar.core.verdict import StartingStatus
+from sidecar.probes import CanaryConfig
+from sidecar.probes.role import Backend, Mode, ModelType, Role, Transport
+from sidecar.runtime.grpctarget import GrpcTarget, grpc_target
+from sidecar.runtime.grpctarget import host_problem as _host_problem
+from sidecar.runtime.requestplane.settings import DiscoveryBackend, PlaneConfig, PlaneKind
+from sidecar.surface.routes import RESERVED_ROUTES
+from sidecar.surface.view import About, ControlConfig
 
 MAX_SECONDS = 86_400.0
 MAX_VALUE_SHOWN = 80
-# Routes the sidecar serves itself; the probe paths may not take them.
-RESERVED_ROUTES = {
-    "/metrics": "the metrics route",
-    "/openapi.json": "the OpenAPI schema route",
-    "/sidecar/live": "the sidecar's own liveness route",
-    "/": "the status page",
-    "/debug/history": "the status page's history route",
-}
-_HOST_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
 _TOKEN = re.compile(r"[\x21-\x7e]+")  # visible ASCII: what an HTTP header value can carry
 _CREDENTIALS = re.compile(r"(//)[^/@]*@")
 _DYNAMO_NAME = re.compile(r"[A-Za-z0-9_-]{1,253}")
-
-
-def _host_problem(host: str) -> str | None:
-    """None for an IP address or an RFC 1123 host name, else what is wrong."""
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        pass
-    else:
-        return None
-    labels = host.rstrip(".").split(".")
-    if len(host) > 253 or not all(_HOST_LABEL.fullmatch(label) for label in labels):
-        return "not an IP address or host name"
-    return None
 
 
 def _path_problem(path: str) -> str | None:
@@ -84,50 +62,21 @@ def _json_loads(text: str) -> Any:
         raise ValueError("nested too deeply") from None
 
 
-class Transport(StrEnum):
-    HTTP = "http"  # the engine's own HTTP API at SIDECAR_ENGINE_URL
-    DYNAMO = "dynamo"  # Dynamo's request plane, straight to the worker's instance
-
-
-class DiscoveryBackend(StrEnum):
-    """Dynamo's discovery backends a separate process can share with the worker."""
-
-    ETCD = "etcd"
-    FILE = "file"
-    KUBERNETES = "kubernetes"
-
-
-class RequestPlane(StrEnum):
-    TCP = "tcp"
-    NATS = "nats"
-    HTTP = "http"
-
-
-class Backend(StrEnum):
-    VLLM = "vllm"
-    SGLANG = "sglang"
-    TRTLLM = "trtllm"
-    OPENAI = "openai"
-
-
-class Mode(StrEnum):
-    AGGREGATED = "aggregated"
-    PREFILL = "prefill"
-    DECODE = "decode"
-    ENCODE = "encode"
-
+__all__ = [
+    "Backend",
+    "ConfigError",
+    "DiscoveryBackend",
+    "GrpcTarget",
+    "Mode",
+    "ModelType",
+    "PlaneKind",
+    "Settings",
+    "StartingStatus",
+    "Transport",
+    "load_settings",
+]
 
 MODE_ALIASES = {"agg": Mode.AGGREGATED, "prefill_and_decode": Mode.AGGREGATED}
-
-
-class ModelType(StrEnum):
-    TEXT = "text"
-    MULTIMODAL = "multimodal"
-
-
-class StartingStatus(StrEnum):
-    READY = "ready"
-    NOTREADY = "notready"
 
 
 class LogLevel(StrEnum):
@@ -249,9 +198,9 @@ class Settings(BaseSettings):
         "advertises itself (its /metadata) and the sidecar needs no cluster rights.",
         "one of etcd, file, kubernetes",
     )
-    request_plane: RequestPlane = _env(
+    request_plane: PlaneKind = _env(
         "DYN_REQUEST_PLANE",
-        RequestPlane.TCP,
+        PlaneKind.TCP,
         "Dynamo's request plane, as the worker's (SIDECAR_TRANSPORT=dynamo).",
         "one of tcp, nats, http",
     )
@@ -605,6 +554,71 @@ class Settings(BaseSettings):
             return self.stall_window
         return self.request_timeout + 2.0
 
+    # --- what each part is given: values, never the settings whole ---------------------------
+    def canary_config(self) -> CanaryConfig:
+        """What decides the canary (sidecar.probes.plan_canary)."""
+        return CanaryConfig(
+            backend=self.backend,
+            role=Role(self.disaggregation_mode, self.model_type),
+            transport=self.transport,
+            enabled=self.health_check_enabled,
+            payload=self.health_check_payload,
+            path=self.canary_path,
+            dynamo_endpoint=self.dynamo_endpoint,
+            bootstrap_port=self.sglang_bootstrap_port,
+        )
+
+    def policy(self) -> Policy:
+        """The thresholds and timings the evidence sources and the verdict follow."""
+        return Policy(
+            failure_threshold=self.failure_threshold,
+            success_threshold=self.success_threshold,
+            wait=self.canary_wait_time,
+            retry=self.retry_interval,
+            timeout=self.request_timeout,
+            liveness_window=self.liveness_window,
+            stall_window=self.effective_stall_window,
+            metrics_interval=self.metrics_interval,
+            registration_interval=self.registration_interval,
+            check_answer=self.check_answer,
+        )
+
+    def timing(self, canary: bool) -> Timing:
+        """The monitor's schedule; ``canary``: the endpoint's plan sends canaries (the engine's
+        metrics are read, and its ranks counted, only then)."""
+        return Timing(
+            registration=self.registration_interval,
+            metrics=self.metrics_interval if canary and self.progress_enabled else None,
+            transfer=self.kv_probe_interval,
+            count_ranks=self.ranks == "auto" and canary,
+        )
+
+    def plane_config(self) -> PlaneConfig:
+        """The Dynamo transport's (SIDECAR_TRANSPORT=dynamo)."""
+        return PlaneConfig(
+            discovery=self.discovery_backend,
+            plane=self.request_plane,
+            file_kv=self.file_kv,
+            endpoint=self.dynamo_endpoint,
+            debug=self.log_level is LogLevel.DEBUG,
+        )
+
+    def about(self) -> About:
+        """What the HTTP surface says of the worker, and its probe routes."""
+        return About(
+            health_path=self.health_path,
+            live_path=self.live_path,
+            backend=self.backend.value,
+            mode=self.disaggregation_mode.value,
+            transport=self.transport.value,
+            canaries=self.health_check_enabled,
+            engine_url=self.engine_url,
+        )
+
+    def control(self) -> ControlConfig:
+        token = self.control_token.get_secret_value() if self.control_token else None
+        return ControlConfig(token=token, maintenance_max=self.maintenance_max)
+
     @field_validator("health_path", "live_path", "registration_path", "canary_path", "metrics_path")
     @classmethod
     def _path(cls, value: str | None) -> str | None:
@@ -683,43 +697,6 @@ class Settings(BaseSettings):
         return value
 
 
-@dataclass(frozen=True)
-class GrpcTarget:
-    """SIDECAR_REGISTRATION parsed: where the engine's gRPC health service listens, and which
-    service's status the registration check asks for ("" is the server as a whole)."""
-
-    host: str
-    port: int
-    service: str
-
-    @property
-    def address(self) -> str:
-        """host:port as grpc's channel takes it (an IPv6 address in brackets)."""
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"{host}:{self.port}"
-
-
-def grpc_target(value: str) -> GrpcTarget:
-    """Parse ``grpc://HOST:PORT[/SERVICE]``; raise ValueError naming what is wrong."""
-    try:
-        parts = urlsplit(value)
-        port = parts.port
-    except ValueError:
-        raise ValueError("not a URL") from None
-    if parts.scheme != "grpc" or not parts.hostname:
-        raise ValueError("not a grpc:// URL with a host")
-    if parts.query or parts.fragment or parts.username or parts.password:
-        raise ValueError("has a query, fragment or credentials")
-    if "\\" in value or _host_problem(parts.hostname):
-        raise ValueError("the host is not an IP address or host name")
-    if port is None or port == 0:
-        raise ValueError("no port (the engine's gRPC server has no default)")
-    service = parts.path.removeprefix("/")
-    if not re.fullmatch(r"[A-Za-z0-9_.-]*", service):
-        raise ValueError("the service is not a gRPC service name (letters, digits, _ . -)")
-    return GrpcTarget(parts.hostname, port, service)
-
-
 class ConfigError(Exception):
     """Invalid configuration. Each line names one variable, its value, and what was expected."""
 
@@ -764,143 +741,190 @@ def _error_lines(exc: ValidationError) -> list[str]:
     return lines
 
 
-def _cross_checks(s: Settings) -> list[str]:
-    lines = []
-    for field in ("health_path", "live_path"):
-        path = getattr(s, field)
-        if path in RESERVED_ROUTES:
-            lines.append(
-                f"{env_name(field)}={path!r}: expected a path not already used by "
-                f"{RESERVED_ROUTES[path]}"
-            )
-    pins = s.backend in (Backend.VLLM, Backend.SGLANG)
-    if s.dp_ranks not in (None, 1) and not pins:
-        lines.append(
-            f"{env_name('dp_ranks')}={s.dp_ranks}: expected 1 ({s.backend} cannot pin a request "
-            "to a data-parallel rank, so ranks cannot be told apart)"
-        )
-    if s.kv_peer_url is not None and (s.backend, s.disaggregation_mode) != (
-        Backend.VLLM,
-        Mode.DECODE,
-    ):
-        lines.append(
-            f"{env_name('kv_peer_url')}={_shown('kv_peer_url', s.kv_peer_url)}: expected unset "
-            f"(the transfer probe speaks vLLM's NIXL connector from a decode worker; this is "
-            f"{s.backend} {s.disaggregation_mode})"
-        )
-    if KV_TRANSFER in s.use_endpoint_health_status and s.kv_peer_url is None:
-        lines.append(
-            f"{env_name('use_endpoint_health_status')}="
-            f"{_shown('use_endpoint_health_status', list(s.use_endpoint_health_status))}: "
-            f"expected {KV_TRANSFER!r} listed only with {env_name('kv_peer_url')} set"
-        )
-    if (
-        s.dp_min_ready_ranks is not None
-        and isinstance(s.dp_ranks, int)
-        and s.dp_min_ready_ranks > s.dp_ranks
-    ):
-        lines.append(
-            f"{env_name('dp_min_ready_ranks')}={s.dp_min_ready_ranks}: expected at most "
-            f"{env_name('dp_ranks')} ({s.dp_ranks})"
-        )
-    lines += _transport_checks(s)
-    if s.registration is not None and s.transport is Transport.DYNAMO:
-        lines.append(
-            f"{env_name('registration')}={s.registration!r}: expected unset "
-            f"({env_name('transport')}=dynamo reads the worker's registration from its system "
-            "server and from discovery)"
-        )
-    elif s.registration is not None and s.registration_path is not None:
-        lines.append(
-            f"{env_name('registration_path')}={s.registration_path!r}: expected unset with "
-            f"{env_name('registration')} (the registration check asks the gRPC health service "
-            "instead)"
-        )
-    if s.control_port is not None and s.control_port == s.system_port:
-        lines.append(
-            f"{env_name('control_port')}={s.control_port}: expected a port other than "
-            f"{env_name('system_port')}'s (the control routes are never served to the pod network)"
-        )
-    if s.grpc_port is not None and s.grpc_port in (s.system_port, s.control_port):
-        taken = "system_port" if s.grpc_port == s.system_port else "control_port"
-        lines.append(
-            f"{env_name('grpc_port')}={s.grpc_port}: expected a port other than "
-            f"{env_name(taken)}'s (the gRPC health service has a port of its own)"
-        )
-    if s.control_token is not None and s.control_port is None:
-        lines.append(
-            f"{env_name('control_token')}=<set>: expected {env_name('control_port')} too (the "
-            "token guards the control routes, which are off without a port)"
-        )
-    if s.health_path == s.live_path:
-        # Blame the variable the user set (both set: the live path).
-        field = "health_path" if "live_path" not in s.model_fields_set else "live_path"
-        other = "live_path" if field == "health_path" else "health_path"
-        lines.append(
-            f"{env_name(field)}={s.health_path!r}: expected a path not already used by "
-            f"{env_name(other)}"
-        )
-    return lines
+@dataclass(frozen=True)
+class Rule:
+    """One rule across variables, as a row of :data:`RULES`: when ``broken`` holds, the line names
+    the variable to change (``blame``, a field), its value (``shown``; None: unset, no value) and
+    what was ``expected``."""
+
+    blame: str | Callable[[Settings], str]
+    broken: Callable[[Settings], bool]
+    expected: Callable[[Settings], str]
+    shown: Callable[[Settings], str | None] | None = None
+
+    def line(self, s: Settings) -> str:
+        field = self.blame(s) if callable(self.blame) else self.blame
+        shown = self.shown(s) if self.shown is not None else _shown(field, getattr(s, field))
+        value = "" if shown is None else f"={shown}"
+        return f"{env_name(field)}{value}: expected {self.expected(s)}"
 
 
 # The backends of Dynamo's workers (each has its payload); openai names none.
 DYNAMO_BACKENDS = (Backend.VLLM, Backend.SGLANG, Backend.TRTLLM)
 
 
-def runtime_missing() -> str | None:
-    """Why Dynamo's runtime client is not installed here, or None. Only looked up, not imported:
-    importing loads the runtime (and it reads Dynamo's variables); a runtime that is installed
-    but cannot load fails, with one line, when the sidecar starts it."""
-    try:
-        spec = importlib.util.find_spec("dynamo.runtime")
-    except ImportError as exc:
-        return f"{type(exc).__name__}: {exc}"
-    return None if spec is not None else "No module named 'dynamo.runtime'"
+def _dynamo(s: Settings) -> bool:
+    return s.transport is Transport.DYNAMO
 
 
-def _transport_checks(s: Settings) -> list[str]:
-    if s.transport is not Transport.DYNAMO:
-        if s.dynamo_endpoint is not None:
-            return [
-                f"{env_name('dynamo_endpoint')}={s.dynamo_endpoint!r}: expected unset "
-                f"({env_name('transport')}={s.transport} sends no request over Dynamo's plane)"
-            ]
-        return []
-    name = env_name("transport")
-    lines = []
-    missing = runtime_missing()
-    if missing is not None:
-        lines.append(
-            f"{name}=dynamo: expected Dynamo's runtime client installed "
-            f"(pip install 'health-sidecar[dynamo]'): {missing}"
+def _taken_by_grpc(s: Settings) -> str:
+    return "system_port" if s.grpc_port == s.system_port else "control_port"
+
+
+def _blamed_path(s: Settings) -> str:
+    """Of two equal probe paths, the one the user set (both set: the live path)."""
+    return "health_path" if "live_path" not in s.model_fields_set else "live_path"
+
+
+_TRANSPORT = "SIDECAR_TRANSPORT"
+# Every rule across variables, checked in this order after each variable is valid on its own.
+RULES: tuple[Rule, ...] = (
+    *(
+        Rule(
+            field,
+            lambda s, f=field: getattr(s, f) in RESERVED_ROUTES,
+            lambda s, f=field: f"a path not already used by {RESERVED_ROUTES[getattr(s, f)]}",
         )
-    if s.backend not in DYNAMO_BACKENDS:
-        lines.append(
-            f"{env_name('backend')}={s.backend.value!r}: expected one of "
-            f"{', '.join(b.value for b in DYNAMO_BACKENDS)} with {name}=dynamo (the Dynamo "
-            "worker's backend decides its canary payload)"
-        )
-    if s.dp_ranks not in (None, 1):
-        lines.append(
-            f"{env_name('dp_ranks')}={s.dp_ranks}: expected 1 with {name}=dynamo (a Dynamo "
-            "worker's ranks are not pinned over its request plane)"
-        )
-    if s.kv_peer_url is not None:
-        lines.append(
-            f"{env_name('kv_peer_url')}={_shown('kv_peer_url', s.kv_peer_url)}: expected unset "
-            f"with {name}=dynamo (the transfer probe speaks vLLM's HTTP API)"
-        )
-    if s.canary_path is not None:
-        lines.append(
-            f"{env_name('canary_path')}={s.canary_path!r}: expected unset with {name}=dynamo (the "
-            f"canary goes over the request plane; {env_name('dynamo_endpoint')} names the endpoint)"
-        )
-    if s.discovery_backend is DiscoveryBackend.FILE and s.file_kv is None:
-        lines.append(
-            f"{env_name('file_kv')}: expected the worker's file-discovery directory with "
-            f"{env_name('discovery_backend')}=file and {name}=dynamo (it is not set)"
-        )
-    return lines
+        for field in ("health_path", "live_path")
+    ),
+    Rule(
+        "dp_ranks",
+        lambda s: s.dp_ranks not in (None, 1) and s.backend not in (Backend.VLLM, Backend.SGLANG),
+        lambda s: (
+            f"1 ({s.backend} cannot pin a request to a data-parallel rank, so ranks cannot "
+            "be told apart)"
+        ),
+        lambda s: str(s.dp_ranks),
+    ),
+    Rule(
+        "kv_peer_url",
+        lambda s: (
+            s.kv_peer_url is not None
+            and (s.backend, s.disaggregation_mode) != (Backend.VLLM, Mode.DECODE)
+        ),
+        lambda s: (
+            "unset (the transfer probe speaks vLLM's NIXL connector from a decode worker; "
+            f"this is {s.backend} {s.disaggregation_mode})"
+        ),
+    ),
+    Rule(
+        "use_endpoint_health_status",
+        lambda s: KV_TRANSFER in s.use_endpoint_health_status and s.kv_peer_url is None,
+        lambda s: f"{KV_TRANSFER!r} listed only with {env_name('kv_peer_url')} set",
+    ),
+    Rule(
+        "dp_min_ready_ranks",
+        lambda s: (
+            s.dp_min_ready_ranks is not None
+            and isinstance(s.dp_ranks, int)
+            and s.dp_min_ready_ranks > s.dp_ranks
+        ),
+        lambda s: f"at most {env_name('dp_ranks')} ({s.dp_ranks})",
+        lambda s: str(s.dp_min_ready_ranks),
+    ),
+    Rule(
+        "dynamo_endpoint",
+        lambda s: not _dynamo(s) and s.dynamo_endpoint is not None,
+        lambda s: f"unset ({_TRANSPORT}={s.transport} sends no request over Dynamo's plane)",
+    ),
+    Rule(
+        "backend",
+        lambda s: _dynamo(s) and s.backend not in DYNAMO_BACKENDS,
+        lambda s: (
+            f"one of {', '.join(b.value for b in DYNAMO_BACKENDS)} with {_TRANSPORT}=dynamo "
+            "(the Dynamo worker's backend decides its canary payload)"
+        ),
+        lambda s: repr(s.backend.value),
+    ),
+    Rule(
+        "dp_ranks",
+        lambda s: _dynamo(s) and s.dp_ranks not in (None, 1),
+        lambda s: (
+            f"1 with {_TRANSPORT}=dynamo (a Dynamo worker's ranks are not pinned over its "
+            "request plane)"
+        ),
+        lambda s: str(s.dp_ranks),
+    ),
+    Rule(
+        "kv_peer_url",
+        lambda s: _dynamo(s) and s.kv_peer_url is not None,
+        lambda s: f"unset with {_TRANSPORT}=dynamo (the transfer probe speaks vLLM's HTTP API)",
+    ),
+    Rule(
+        "canary_path",
+        lambda s: _dynamo(s) and s.canary_path is not None,
+        lambda s: (
+            f"unset with {_TRANSPORT}=dynamo (the canary goes over the request plane; "
+            f"{env_name('dynamo_endpoint')} names the endpoint)"
+        ),
+    ),
+    Rule(
+        "file_kv",
+        lambda s: _dynamo(s) and s.discovery_backend is DiscoveryBackend.FILE and s.file_kv is None,
+        lambda s: (
+            f"the worker's file-discovery directory with {env_name('discovery_backend')}=file "
+            f"and {_TRANSPORT}=dynamo (it is not set)"
+        ),
+        lambda s: None,
+    ),
+    Rule(
+        "registration",
+        lambda s: s.registration is not None and _dynamo(s),
+        lambda s: (
+            f"unset ({_TRANSPORT}=dynamo reads the worker's registration from its system "
+            "server and from discovery)"
+        ),
+    ),
+    Rule(
+        "registration_path",
+        lambda s: s.registration is not None and not _dynamo(s) and s.registration_path is not None,
+        lambda s: (
+            f"unset with {env_name('registration')} (the registration check asks the gRPC "
+            "health service instead)"
+        ),
+    ),
+    Rule(
+        "control_port",
+        lambda s: s.control_port is not None and s.control_port == s.system_port,
+        lambda s: (
+            f"a port other than {env_name('system_port')}'s (the control routes are never "
+            "served to the pod network)"
+        ),
+        lambda s: str(s.control_port),
+    ),
+    Rule(
+        "grpc_port",
+        lambda s: s.grpc_port is not None and s.grpc_port in (s.system_port, s.control_port),
+        lambda s: (
+            f"a port other than {env_name(_taken_by_grpc(s))}'s (the gRPC health service has "
+            "a port of its own)"
+        ),
+        lambda s: str(s.grpc_port),
+    ),
+    Rule(
+        "control_token",
+        lambda s: s.control_token is not None and s.control_port is None,
+        lambda s: (
+            f"{env_name('control_port')} too (the token guards the control routes, which "
+            "are off without a port)"
+        ),
+        lambda s: "<set>",
+    ),
+    Rule(
+        _blamed_path,
+        lambda s: s.health_path == s.live_path,
+        lambda s: (
+            "a path not already used by "
+            f"{env_name('live_path' if _blamed_path(s) == 'health_path' else 'health_path')}"
+        ),
+        lambda s: repr(s.health_path),
+    ),
+)
+
+
+def broken_rules(s: Settings) -> list[str]:
+    """The line of every rule of :data:`RULES` the settings break, in order."""
+    return [rule.line(s) for rule in RULES if rule.broken(s)]
 
 
 def load_settings(
@@ -922,7 +946,7 @@ def load_settings(
         settings = Settings(**kwargs)
     except ValidationError as exc:
         raise ConfigError(_error_lines(exc)) from None
-    errors = _cross_checks(settings)
+    errors = broken_rules(settings)
     if errors:
         raise ConfigError(errors)
     return settings

@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
+from aiotools import VirtualClock
 
 from sidecar.config import Settings
 from sidecar.core.evidence.result import Outcome, Result
 from sidecar.probes import CanaryRequest, plan_canary
+from sidecar.probes.exchange import Answer, NoAnswer, Received
 from sidecar.probes.http import HttpCanary
-from sidecar.runtime.engine import Answer, NoAnswer
 from tests.support.configured import settings_from
+
+pytestmark = pytest.mark.unit
 
 ON = {"DYN_HEALTH_CHECK_ENABLED": "true"}
 
@@ -27,7 +29,7 @@ def plan_for(backend: str, mode: str, model_type: str = "text", **env: str):
         }
         | env
     )
-    return plan_canary(settings)
+    return plan_canary(settings.canary_config())
 
 
 @pytest.mark.parametrize(
@@ -108,7 +110,7 @@ def test_roles_without_a_safe_probe(backend, mode, model_type, enabled):
 
 def test_canaries_off():
     settings = Settings.model_validate({"SIDECAR_BACKEND": "vllm"})
-    plan = plan_canary(settings)
+    plan = plan_canary(settings.canary_config())
     assert not plan.enabled
     assert "DYN_HEALTH_CHECK_ENABLED" in plan.why
 
@@ -165,21 +167,25 @@ def test_answer_checks(backend, mode, answer, problem):
 
 
 class _FrozenServer:
-    """An engine client whose server accepts and never answers (llama-server frozen whole)."""
+    """A channel to a server that accepts and never answers (llama-server frozen whole)."""
 
     def __init__(self) -> None:
-        self.timeout = 0.05
         self.sent = 0
 
-    def clock(self) -> float:
-        return time.monotonic()
+    def redact(self, text: str) -> str:
+        return text
 
-    async def canary(self, plan: object, request: object, *, deadline: float | None = None):
+    async def send(self, request: CanaryRequest, deadline: float) -> Received:
+        if request.method == "GET":  # the registration route: no answer either
+            return _received(NoAnswer(Outcome.TIMEOUT, "no answer"))
         self.sent += 1
         await asyncio.sleep(3600)
+        raise AssertionError("a frozen server never answers")
 
-    async def send(self, request: object, deadline: float) -> NoAnswer:
-        return NoAnswer(Outcome.TIMEOUT, "no answer")
+
+def _received(answer: Answer | NoAnswer) -> Received:
+    now = asyncio.get_running_loop().time()
+    return Received(answer, now, now, 0.0)
 
 
 def test_a_kept_canary_is_the_only_one_sent_and_ends_with_its_probe(monkeypatch) -> None:
@@ -187,42 +193,43 @@ def test_a_kept_canary_is_the_only_one_sent_and_ends_with_its_probe(monkeypatch)
     probes send no other while it waits, and closing the probe cancels it (no task outlives the
     monitor)."""
     on = {"DYN_HEALTH_CHECK_ENABLED": "true", "SIDECAR_MODEL": "tiny"}
-    plan = plan_canary(settings_from(monkeypatch, SIDECAR_BACKEND="openai", **on))
+    plan = plan_canary(settings_from(monkeypatch, SIDECAR_BACKEND="openai", **on).canary_config())
 
     async def main() -> None:
-        engine = _FrozenServer()
-        probe = HttpCanary(engine)  # type: ignore[arg-type]
-        results = [await probe(plan, plan.request("tiny", f"canary-{n}"), "tiny") for n in range(3)]
-        assert [r.outcome for r in results] == [Outcome.TIMEOUT] * 3
-        assert {r.request_id for r in results} == {"canary-0"}  # the one still on the engine
-        assert engine.sent == 1
-        await probe.aclose()
-        assert asyncio.all_tasks() == {asyncio.current_task()}
+        with VirtualClock().patch_loop():
+            engine = _FrozenServer()
+            loop = asyncio.get_running_loop()
+            probe = HttpCanary(engine, timeout=0.05, clock=loop.time)
+            results = [
+                await probe(plan, plan.request("tiny", f"canary-{n}"), "tiny") for n in range(3)
+            ]
+            assert [r.outcome for r in results] == [Outcome.TIMEOUT] * 3
+            assert {r.request_id for r in results} == {"canary-0"}  # the one still on the engine
+            assert engine.sent == 1
+            await probe.aclose()
+            assert asyncio.all_tasks() == {asyncio.current_task()}
 
     asyncio.run(main())
 
 
 class _SlowSglang:
-    """An engine client whose canaries time out, and whose abort route answers ``status`` (None:
-    no answer at all)."""
+    """A channel whose canaries time out, and whose abort route answers ``status`` (None: no
+    answer at all)."""
 
     def __init__(self, status: int | None) -> None:
-        self.timeout = 0.05
         self.status = status
         self.sent: list[CanaryRequest] = []
 
-    def clock(self) -> float:
-        return time.monotonic()
+    def redact(self, text: str) -> str:
+        return text
 
-    async def canary(self, plan: object, request: CanaryRequest, **_: object) -> Result:
-        now = self.clock()
-        return Result(Outcome.TIMEOUT, "no complete answer within 0.05 s", now, now, 0.0, "c")
-
-    async def send(self, request: CanaryRequest, deadline: float) -> Answer | NoAnswer:
+    async def send(self, request: CanaryRequest, deadline: float) -> Received:
+        if request.path != "/abort_request":
+            return _received(NoAnswer(Outcome.TIMEOUT, "no complete answer within 0.05 s"))
         self.sent.append(request)
         if self.status is None:
-            return NoAnswer(Outcome.REFUSED, "POST /abort_request: cannot connect")
-        return Answer(self.status, "application/json", b"{}", None)
+            return _received(NoAnswer(Outcome.REFUSED, "POST /abort_request: cannot connect"))
+        return _received(Answer(self.status, "application/json", b"{}", None))
 
 
 @pytest.mark.parametrize(
@@ -235,11 +242,17 @@ class _SlowSglang:
 )
 def test_a_timed_out_sglang_canary_is_aborted_by_rid_and_says_so(monkeypatch, status, said):
     plan = plan_canary(
-        settings_from(monkeypatch, SIDECAR_BACKEND="sglang", DYN_HEALTH_CHECK_ENABLED="true")
+        settings_from(
+            monkeypatch, SIDECAR_BACKEND="sglang", DYN_HEALTH_CHECK_ENABLED="true"
+        ).canary_config()
     )
     engine = _SlowSglang(status)
     request = plan.request(None, "canary-1")
-    result = asyncio.run(HttpCanary(engine)(plan, request, None))  # type: ignore[arg-type]
+
+    async def main() -> Result:
+        return await HttpCanary(engine, timeout=0.05)(plan, request, None)
+
+    result = asyncio.run(main())
     assert result.outcome is Outcome.TIMEOUT
     assert result.reason.endswith(said)
     (abort,) = engine.sent

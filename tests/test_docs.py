@@ -34,10 +34,10 @@ from sidecar.core.endpoint import (
 )
 from sidecar.core.evidence import lifecycle
 from sidecar.core.evidence.faults import EngineReport
-from sidecar.core.evidence.policy import Policy
+from sidecar.core.evidence.policy import Policy, Sum, Term
 from sidecar.core.evidence.result import Outcome, Result
 from sidecar.core.verdict import Verdict, endpoint_verdict, rank_verdict
-from tests.support.configured import settings_from
+from tests.support.configured import health_of, settings_from
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gen_docs.py"
@@ -79,6 +79,7 @@ def _name(path: Path) -> str:
 
 
 # --- (a) generated parts -----------------------------------------------------------------------
+@pytest.mark.process
 def test_the_generated_parts_are_what_the_code_says_now():
     done = subprocess.run(
         [sys.executable, str(SCRIPT), "--check"],
@@ -92,6 +93,7 @@ def test_the_generated_parts_are_what_the_code_says_now():
     )
 
 
+@pytest.mark.unit
 def test_every_generator_has_a_place_and_every_place_a_generator(gen_docs):
     names = set()
     for path in documents():
@@ -100,6 +102,7 @@ def test_every_generator_has_a_place_and_every_place_a_generator(gen_docs):
 
 
 # --- (e) drift is caught -----------------------------------------------------------------------
+@pytest.mark.unit
 def test_a_changed_default_is_caught(gen_docs):
     fields = dict(Settings.model_fields)
     changed = copy.copy(fields["canary_wait_time"])
@@ -116,12 +119,12 @@ def test_a_changed_default_is_caught(gen_docs):
     assert any(line.startswith("+| `DYN_CANARY_WAIT_TIME`") and "`11`" in line for line in lines)
 
 
+@pytest.mark.unit
 def test_a_changed_formula_is_caught(gen_docs):
     class Changed(Policy):
-        @property
-        def stall_bound(self) -> float:
-            """The longest time from counters stopping under load to notready ("stalled")."""
-            return self.suspect_after + self.timeout
+        def to_stalled(self) -> Sum:
+            """From counters stopping under load to notready ("stalled"), at the longest."""
+            return Sum((Term(self.suspect_after, "quiet"), Term(self.timeout, "timeout")))
 
     generators = dict(gen_docs.GENERATORS, policy=lambda: gen_docs.policy_section(Changed))
 
@@ -130,10 +133,11 @@ def test_a_changed_formula_is_caught(gen_docs):
     page = ROOT / "docs" / "concepts" / "decision-model.md"
     assert set(drifted) == {page}
     text = gen_docs.diff(page, *drifted[page])
-    assert "-| `stall_bound` | `metrics_interval + suspect_after + timeout` | 5 s | 5 s" in text
-    assert "+| `stall_bound` | `suspect_after + timeout` | 4 s | 4 s" in text
+    assert "-| `to_stalled()` | 1 s metrics interval + 1 s quiet + 3 s timeout = 5 s |" in text
+    assert "+| `to_stalled()` | 1 s quiet + 3 s timeout = 4 s |" in text
 
 
+@pytest.mark.unit
 def test_check_exits_1_with_a_unified_diff_on_drift(gen_docs, tmp_path, capsys):
     shutil.copy(README, tmp_path / "README.md")
     shutil.copytree(ROOT / "docs", tmp_path / "docs", ignore=shutil.ignore_patterns("*.png"))
@@ -240,6 +244,7 @@ def _table(doc: str | None, gen_docs: ModuleType) -> list[list[str]]:
     return gen_docs.parse_rst_tables(doc)[0]
 
 
+@pytest.mark.unit
 def test_the_verdict_table_names_a_state_for_each_row(gen_docs):
     head, *rows = _table(verdict.__doc__, gen_docs)
     assert head == ["registration", "canary", "verdict", "reason"]
@@ -250,6 +255,7 @@ def _endpoint_rows() -> Iterator[list[str]]:
     yield from load_gen_docs().parse_rst_tables(verdict.__doc__ or "")[0][1:]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("row", list(_endpoint_rows()), ids=lambda r: f"{r[0]}, {r[1]}")
 def test_each_row_of_the_verdict_table_holds(row):
     registration, canary, documented, reason = row
@@ -287,10 +293,12 @@ def _rank_rows() -> list[list[str]]:
     return [[cell.replace("``", "`") for cell in row] for row in rows]
 
 
+@pytest.mark.unit
 def test_the_rank_table_names_units_for_each_row():
     assert {r[0] for r in _rank_rows()} == set(RANK_ROWS)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("row", _rank_rows(), ids=lambda r: r[0])
 def test_each_row_of_the_rank_table_holds(row):
     ranks, documented, reason = row
@@ -308,10 +316,10 @@ def _exported(monkeypatch: pytest.MonkeyPatch) -> dict[str, tuple[str, set[str] 
     no sample to show them), from its real exposition."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    from sidecar.runtime.server import build
+    from sidecar.wiring import surface_for
 
-    parts = build(settings_from(monkeypatch, DYN_HEALTH_CHECK_ENABLED="true"))
-    text = parts.metrics.exposition().decode()
+    settings = settings_from(monkeypatch, DYN_HEALTH_CHECK_ENABLED="true")
+    text = surface_for(settings, health_of(settings)).metrics.exposition().decode()
     found = {}
     for family in text_string_to_metric_families(text):
         name = family.name + ("_total" if family.type == "counter" else "")
@@ -328,6 +336,7 @@ def _documented() -> dict[str, tuple[str, set[str]]]:
     }
 
 
+@pytest.mark.unit
 def test_the_metrics_table_names_exactly_what_is_exported(monkeypatch):
     exported, documented = _exported(monkeypatch), _documented()
     assert set(documented) == set(exported), (
@@ -341,6 +350,7 @@ def test_the_metrics_table_names_exactly_what_is_exported(monkeypatch):
             assert labels == real_labels, name
 
 
+@pytest.mark.unit
 def test_the_metrics_table_gives_every_scrape_time_family_its_type_and_labels():
     """The collector's rows as the docs table says, label names included for the families a
     fresh sidecar shows no sample of (ranks, KV transfers, liveness clocks)."""
@@ -366,6 +376,7 @@ def mentioned_paths(text: str) -> set[str]:
     return found
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("doc", documents(), ids=_name)
 def test_every_mentioned_path_exists(doc: Path):
     missing = [
@@ -376,6 +387,7 @@ def test_every_mentioned_path_exists(doc: Path):
     assert not missing, f"{_name(doc)} mentions paths that do not exist: {missing}"
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("doc", documents(), ids=_name)
 def test_every_relative_link_resolves(doc: Path):
     text = FENCE.sub("", doc.read_text("utf-8"))
@@ -391,6 +403,7 @@ def test_every_relative_link_resolves(doc: Path):
 QUOTED_DEFAULT = re.compile(r"`((?:DYN|SIDECAR)_[A-Z0-9_]+)` \((\d+(?:\.\d+)?)(?: s)?[):,;]")
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("doc", written_docs(), ids=_name)
 def test_defaults_quoted_in_prose_are_the_defaults(doc: Path):
     by_alias = {str(f.validation_alias): f.default for f in Settings.model_fields.values()}
@@ -402,6 +415,7 @@ def test_defaults_quoted_in_prose_are_the_defaults(doc: Path):
     assert not wrong, f"{_name(doc)} quotes defaults that are not (name, quoted, default): {wrong}"
 
 
+@pytest.mark.unit
 def test_the_checks_catch_a_missing_path_and_a_wrong_default():
     assert mentioned_paths("see `sidecar/nope.py` and tests/test_docs.py.") == {
         "sidecar/nope.py",
@@ -413,11 +427,13 @@ def test_the_checks_catch_a_missing_path_and_a_wrong_default():
     ]
 
 
+@pytest.mark.unit
 def test_the_readme_stays_short():
     lines = README.read_text("utf-8").count("\n")
     assert lines < README_MAX_LINES, f"README.md has {lines} lines; move detail to docs/"
 
 
+@pytest.mark.unit
 def test_the_readme_keeps_the_two_commands():
     text = README.read_text("utf-8")
     for command in (

@@ -26,11 +26,9 @@ from sidecar.config import ConfigError, load_settings
 from sidecar.core.evidence.result import Outcome, Result
 from sidecar.core.observations import Registered
 from sidecar.core.verdict import HEARTBEAT_STALE
-from sidecar.probes import plan_canary
-from sidecar.runtime.health import Health
 from sidecar.surface.grpchealth import TICK, GrpcHealth
 from sidecar.tools.probes import render
-from tests.support.configured import run_cli, settings_from
+from tests.support.configured import health_of, run_cli, settings_from
 from tests.support.harness import LOOPBACK, ROOT, FakeEngine, Sidecar, free_port
 
 Status = health_pb2.HealthCheckResponse.ServingStatus
@@ -160,6 +158,7 @@ def start(
 # --- Check ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.process
 def test_check_answers_what_health_and_live_answer(engine, sidecar, grpc_client):
     _fake, side, client = start(engine, sidecar, grpc_client)
     wait_for(lambda: client.check("") == SERVING, 5, "'' SERVING")
@@ -171,6 +170,7 @@ def test_check_answers_what_health_and_live_answer(engine, sidecar, grpc_client)
     assert client.check("generate/rank0") == grpc.StatusCode.NOT_FOUND  # endpoints, not units
 
 
+@pytest.mark.process
 def test_check_before_the_first_verdict_is_not_serving_but_live(engine, sidecar, grpc_client):
     """A hung engine from the start: /health 503 (starting status, then the canary's timeouts),
     /live 200; the services say the same."""
@@ -185,6 +185,7 @@ def test_check_before_the_first_verdict_is_not_serving_but_live(engine, sidecar,
 # --- Watch ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.process
 def test_watch_streams_not_serving_to_serving_as_it_happens(engine, sidecar, grpc_client, watches):
     fake, side, client = start(engine, sidecar, grpc_client, hang=True)
     readiness, endpoint = client.watch("readiness"), client.watch("generate")
@@ -202,6 +203,7 @@ def test_watch_streams_not_serving_to_serving_as_it_happens(engine, sidecar, grp
     assert abs(grpc_at - http_at) < 0.5, grpc_at - http_at
 
 
+@pytest.mark.process
 def test_watch_sees_a_hang_and_the_recovery(engine, sidecar, grpc_client, watches):
     fake, side, client = start(engine, sidecar, grpc_client)
     readiness = client.watch("")
@@ -222,6 +224,7 @@ def test_watch_sees_a_hang_and_the_recovery(engine, sidecar, grpc_client, watche
     print(f"GRPC watch: NOT_SERVING {detect:.2f} s after the hang")
 
 
+@pytest.mark.process
 def test_liveness_follows_live_as_time_alone_runs_out(engine, sidecar, grpc_client, watches):
     """The liveness clock runs out between canaries: Health's heartbeat tick carries it."""
     window = 2.0
@@ -239,14 +242,15 @@ def test_liveness_follows_live_as_time_alone_runs_out(engine, sidecar, grpc_clie
     assert side.get("/live").status_code == 200
 
 
+@pytest.mark.process
 def test_watch_turns_not_serving_when_the_monitor_falls_silent(monkeypatch, grpc_client, watches):
     """A monitor that stopped publishes no snapshot and no event: the server's own tick sees the
     time pass, as /health's stale rule does. In-process, on a clock the test moves."""
     port = free_port()
     settings = settings_from(monkeypatch, SIDECAR_GRPC_PORT=str(port))
     now = [1000.0]
-    health = Health(settings, [plan_canary(settings)], clock=lambda: now[0])
-    unit = next(iter(health.plans))
+    health = health_of(settings, clock=lambda: now[0])
+    unit = next(iter(health.snapshot.endpoints))
     registered = Result(Outcome.SUCCESS, "GET /health -> 200", now[0], now[0], time.time())
     health.observe(Registered(unit, registered))
     server = GrpcHealth(health, LOOPBACK, port)
@@ -270,6 +274,7 @@ def test_watch_turns_not_serving_when_the_monitor_falls_silent(monkeypatch, grpc
 # --- shutdown, and a port already taken ----------------------------------------------------------
 
 
+@pytest.mark.process
 def test_drain_turns_readiness_not_serving_then_the_server_stops(
     engine, sidecar, grpc_client, watches
 ):
@@ -294,6 +299,7 @@ def test_drain_turns_readiness_not_serving_then_the_server_stops(
     assert "gRPC health service on 127.0.0.1:" in side.proc.output()
 
 
+@pytest.mark.process
 def test_a_grpc_port_already_taken_stops_the_sidecar(engine, sidecar):
     fake = engine("vllm")
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
@@ -309,12 +315,14 @@ def test_a_grpc_port_already_taken_stops_the_sidecar(engine, sidecar):
 # --- configuration -------------------------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_the_grpc_port_is_off_by_default(monkeypatch):
     assert settings_from(monkeypatch).grpc_port is None
     assert settings_from(monkeypatch, SIDECAR_GRPC_PORT="50051").grpc_port == 50051
     assert settings_from(monkeypatch, SIDECAR_GRPC_PORT="").grpc_port is None  # empty: unset
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("env", "expected"),
     [
@@ -338,6 +346,7 @@ def test_a_bad_grpc_port_is_one_line_naming_it(monkeypatch, env, expected):
     assert line.startswith(expected), line
 
 
+@pytest.mark.process
 def test_check_config_shows_the_grpc_service():
     done = run_cli("--check-config", env={"SIDECAR_GRPC_PORT": "50051"})
     assert done.returncode == 0, done.stderr
@@ -356,6 +365,7 @@ def test_check_config_shows_the_grpc_service():
 # --- health-sidecar probes --grpc ----------------------------------------------------------------
 
 
+@pytest.mark.process
 def test_probes_grpc_prints_grpc_probes_with_the_same_numbers(monkeypatch):
     profile = str(ROOT / "config" / "vllm-aggregated.env")
     done = run_cli("--env-file", profile, "probes", "--grpc", env={"SIDECAR_GRPC_PORT": "50051"})
@@ -376,6 +386,7 @@ def test_probes_grpc_prints_grpc_probes_with_the_same_numbers(monkeypatch):
     assert render(load_settings(profile), 7200.0, grpc=True) == done.stdout.rstrip("\n")
 
 
+@pytest.mark.process
 def test_probes_grpc_without_the_port_is_one_line():
     done = run_cli("probes", "--grpc")
     assert done.returncode == 2

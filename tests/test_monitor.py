@@ -20,14 +20,18 @@ from sidecar.config import Settings
 from sidecar.core.evidence.result import Outcome, Result
 from sidecar.core.observations import MaintenanceDeclared
 from sidecar.core.verdict import Cause
-from sidecar.probes import CanaryPlan, CanaryRequest, plan_canary
-from sidecar.runtime.engine import Answer
+from sidecar.probes import CanaryRequest, ProbeKind
+from sidecar.probes.exchange import Answer, NoAnswer, Received
+from sidecar.probes.http import HttpCanary
 from sidecar.runtime.health import Health, liveness_of, readiness_of
-from sidecar.runtime.monitor import Monitor
+from sidecar.runtime.monitor import EngineParts, Monitor, Routes
 from sidecar.surface.metrics import Metrics
 from sidecar.tools.probes import size
+from sidecar.wiring import health_for, plans_for, registration_path
 from tests.support.configured import settings_from
 from tests.support.exposition import metric
+
+pytestmark = pytest.mark.unit
 
 VLLM_METRICS = """\
 vllm:num_requests_running{engine="0",model_name="tiny"} 0.0
@@ -89,19 +93,33 @@ class ScriptedEngine:
             return None, f"GET {path}: connection refused"
         return self.metrics, f"GET {path} -> 200"
 
-    async def canary(self, plan: CanaryPlan, request: CanaryRequest) -> Result:
+    def redact(self, text: str) -> str:
+        return text
+
+    async def send(self, request: CanaryRequest, deadline: float) -> Received:
+        """The canary's channel: a good completion after 10 ms, or nothing within the deadline."""
         started = self._count("canary")
         self.canary_starts.append(started)
         self.in_flight += 1
         self.most_in_flight = max(self.most_in_flight, self.in_flight)
         try:
             if self.hung:
-                await asyncio.sleep(self.timeout)
-                return self._result(Outcome.TIMEOUT, "canary timeout", started)
-            await asyncio.sleep(0.01)
-            return self._result(Outcome.SUCCESS, "complete, well-formed answer", started)
+                await asyncio.sleep(deadline)
+                answer: Answer | NoAnswer = NoAnswer(Outcome.TIMEOUT, "canary timeout")
+            else:
+                await asyncio.sleep(0.01)
+                answer = Answer(200, "application/json", COMPLETION)
         finally:
             self.in_flight -= 1
+        return Received(answer, started, asyncio.get_running_loop().time(), 1e9)
+
+
+COMPLETION = json.dumps(
+    {
+        "choices": [{"index": 0, "text": "x", "finish_reason": "length"}],
+        "usage": {"prompt_tokens": 8, "completion_tokens": 1},
+    }
+).encode()
 
 
 def settings(monkeypatch: pytest.MonkeyPatch, **env: str) -> Settings:
@@ -120,20 +138,17 @@ def run_virtually(
     async def main() -> tuple[Health, ScriptedEngine]:
         loop = asyncio.get_running_loop()
         with VirtualClock().patch_loop():
-            plan = plan_canary(s)
-            ranks = s.ranks if isinstance(s.ranks, int) else 1
-            plans = [plan.for_rank(r) for r in range(ranks)] if ranks > 1 else [plan]
-            health = Health(s, plans, clock=loop.time)
+            plans = plans_for(s)
+            plan = plans["generate"]
+            health = health_for(s, plans, clock=loop.time)
             engine = ScriptedEngine(s.request_timeout)
+            canary = HttpCanary(engine, timeout=s.request_timeout, clock=loop.time)
             monitor = Monitor(
                 health,
-                engine,  # type: ignore[arg-type]
-                s.registration_path or plan.prober.registration_path,
-                s.registration_interval,
-                watch_progress=s.progress_enabled,
-                metrics_path=s.metrics_path,
-                metrics_interval=s.metrics_interval,
-                discover_ranks=s.ranks == "auto",  # as the server starts it
+                EngineParts(engine, {ProbeKind.HTTP: canary}),  # type: ignore[arg-type]
+                plans,
+                s.timing(plan.enabled),  # as the server starts it
+                Routes(registration_path(s, plan), s.metrics_path),
             )
             task = asyncio.create_task(monitor.run())
             try:
@@ -268,10 +283,10 @@ def test_the_engine_is_read_once_per_interval_for_all_its_ranks(monkeypatch):
         assert set(health.snapshot.endpoints) == {"generate/rank0", "generate/rank1"}
 
     run_virtually(s, script)
-    # One registration check and one metrics read a second, not one per rank.
+    # One registration check and one metrics read a second, not one per rank, nor one per canary
+    # (a canary's baseline is the engine-level read before it left).
     assert 24 <= counted["registration"] <= 26, counted
-    # (Each canary also reads the metrics as it leaves: its own baseline.)
-    assert 24 <= counted["metrics"] - counted["canary"] <= 26, counted
+    assert 24 <= counted["metrics"] <= 26, counted
     # Each rank has its own canary, every wait (10 s): two each in 25 s.
     assert counted["canary"] == 4, counted
 
@@ -322,7 +337,7 @@ def test_a_fault_the_engine_reports_is_notready_and_restarts_only_after_the_wind
         assert took <= s.registration_interval + 0.1
         verdict = health.snapshot.verdicts["generate"]
         assert verdict.reason == "vLLM fault tolerance: engine 0 reports unhealthy"
-        text = Metrics(health).exposition().decode()
+        text = Metrics(health, s.about()).exposition().decode()
         assert (
             metric(text, "health_sidecar_engine_fault", endpoint="generate", state="unhealthy") == 1
         )

@@ -10,6 +10,8 @@ from sidecar.core.evidence.progress import ranks_in, read_progress
 from sidecar.core.verdict import Verdict, rank_verdict
 from sidecar.probes import plan_canary
 
+pytestmark = pytest.mark.unit
+
 R = Verdict(True, "canary passed in 9 ms")
 N = Verdict(False, "canary timeout: no complete answer within 3 s")
 U = Verdict(None, "registered; waiting for the first canary")
@@ -41,15 +43,19 @@ def settings(**env: str) -> Settings:
 
 
 def test_vllm_pins_with_the_header_and_sglang_with_the_body_field():
-    vllm = plan_canary(settings()).for_rank(1)
+    vllm = plan_canary(settings().canary_config()).for_rank(1)
     request = vllm.request("tiny", "canary-x")
     assert request.headers == {"X-data-parallel-rank": "1"}
     assert "data_parallel_rank" not in request.body  # vLLM ignores it; the header pins
     assert vllm.unit == "generate/rank1"
-    sglang = plan_canary(settings(SIDECAR_BACKEND="sglang")).for_rank(3).request(None, "c")
+    sglang = (
+        plan_canary(settings(SIDECAR_BACKEND="sglang").canary_config())
+        .for_rank(3)
+        .request(None, "c")
+    )
     assert sglang.body["data_parallel_rank"] == 3
     assert sglang.headers == {}
-    unpinned = plan_canary(settings()).request("tiny", "canary-y")
+    unpinned = plan_canary(settings().canary_config()).request("tiny", "canary-y")
     assert unpinned.headers == {}
 
 
@@ -66,7 +72,7 @@ vllm:generation_tokens_total{engine="1",model_name="tiny"} 7.0
 
 
 def test_each_rank_reads_its_own_series():
-    plan = plan_canary(settings())
+    plan = plan_canary(settings().canary_config())
     one = read_progress(VLLM_DP, plan.for_rank(1).progress_spec(), 1.0, 1.0)
     assert one.in_flight == 3.0
     assert one.counters["prompt"] == 96.0
@@ -79,7 +85,7 @@ def test_each_rank_reads_its_own_series():
 
 
 def test_ranks_are_counted_from_the_in_flight_gauges():
-    spec = plan_canary(settings()).progress_spec()
+    spec = plan_canary(settings().canary_config()).progress_spec()
     gauges = (*spec.running, *spec.waiting)
     assert ranks_in(VLLM_DP, gauges, "engine") == (0, 1)
     single = 'vllm:num_requests_running{engine="0",model_name="tiny"} 0.0\n'
@@ -111,7 +117,7 @@ sglang:num_requests_total{engine_type="unified",is_streaming="false",model_name=
 
 
 def test_sglang_ranks_are_counted_and_read_from_the_schedulers_series():
-    plan = plan_canary(settings(SIDECAR_BACKEND="sglang"))
+    plan = plan_canary(settings(SIDECAR_BACKEND="sglang").canary_config())
     spec = plan.progress_spec()
     assert ranks_in(SGLANG_DP, (*spec.running, *spec.waiting), "dp_rank") == (0, 1)
     zero = read_progress(SGLANG_DP, plan.for_rank(0).progress_spec(), 1.0, 1.0)

@@ -36,6 +36,8 @@ from sidecar.runtime.requestplane.identity import (
 )
 from sidecar.runtime.requestplane.runtimelog import level_of
 
+pytestmark = pytest.mark.unit
+
 POLICY = Policy(wait=1.0, retry=1.0, timeout=0.5, liveness_window=10.0)
 WORKER = "fc2c7986cab39224"
 # What the real mocker (ai-dynamo 1.6.1) publishes on its system server, cut to the series read.
@@ -233,7 +235,9 @@ def test_the_runtime_sees_only_what_a_client_needs():
         "NATS_SERVER": "nats://127.0.0.1:4222",
         "ETCD_ENDPOINTS": "http://127.0.0.1:2379",
     }
-    env = client_environment(settings(DYN_DISCOVERY_BACKEND="file"), environ, file_kv="/srv/kv")
+    env = client_environment(
+        settings(DYN_DISCOVERY_BACKEND="file").plane_config(), environ, file_kv="/srv/kv"
+    )
     assert env == {
         "PATH": "/usr/bin",
         "DYN_SYSTEM_PORT": "-1",
@@ -252,10 +256,13 @@ def test_the_runtime_sees_only_what_a_client_needs():
 
 def test_a_users_runtime_variables_win_over_the_defaults():
     environ = {"DYN_TCP_RESPONSE_STREAM_HOST": "10.0.0.7", "DYN_LOG": "debug"}
-    env = client_environment(settings(SIDECAR_LOG_LEVEL="DEBUG"), environ)
+    env = client_environment(settings(SIDECAR_LOG_LEVEL="DEBUG").plane_config(), environ)
     assert env["DYN_TCP_RESPONSE_STREAM_HOST"] == "10.0.0.7"
     assert env["DYN_LOG"] == "debug"
-    assert client_environment(settings(SIDECAR_LOG_LEVEL="DEBUG"), {})["DYN_LOG"] == "info"
+    assert (
+        client_environment(settings(SIDECAR_LOG_LEVEL="DEBUG").plane_config(), {})["DYN_LOG"]
+        == "info"
+    )
 
 
 @pytest.mark.parametrize(
@@ -276,7 +283,9 @@ def test_the_runtimes_lines_are_debug_but_its_errors(line, level):
 
 # --- payloads per backend and role ------------------------------------------------------------------  # noqa: E501
 def payload(backend: str, mode: str, **env: str) -> dict:
-    plan = plan_canary(settings(SIDECAR_BACKEND=backend, SIDECAR_DISAGGREGATION_MODE=mode, **env))
+    plan = plan_canary(
+        settings(SIDECAR_BACKEND=backend, SIDECAR_DISAGGREGATION_MODE=mode, **env).canary_config()
+    )
     assert plan.enabled, plan.why
     return plan.request(None, "canary-1").body
 
@@ -313,12 +322,12 @@ def test_every_role_gets_the_payload_its_dynamo_handler_needs(backend, mode):
 
 
 def test_an_encode_worker_gets_no_dynamo_canary_but_a_payload_gives_it_one():
-    plan = plan_canary(settings(SIDECAR_DISAGGREGATION_MODE="encode"))
+    plan = plan_canary(settings(SIDECAR_DISAGGREGATION_MODE="encode").canary_config())
     assert not plan.enabled
     given = plan_canary(
         settings(
             SIDECAR_DISAGGREGATION_MODE="encode", DYN_HEALTH_CHECK_PAYLOAD='{"token_ids": [1]}'
-        )
+        ).canary_config()
     )
     assert given.enabled
 

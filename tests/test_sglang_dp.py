@@ -2,7 +2,8 @@
 each checked with its own pinned canary and its own per-rank progress, and one rank's scheduler
 frozen beside SGLang's own /health.
 
-One server for the module (about 30 s to start, 3.4 GB), in a private network namespace.
+One server for the module (about 30 s to start, 3.4 GB), handed to each test after a readiness
+poll, in a private network namespace.
 Prepared by ``scripts/prepare_engines.sh --only sglang``; skipped without it or without root
 (failed under CI).
 """
@@ -20,7 +21,10 @@ from sidecar.config import Settings
 from sidecar.probes import plan_canary
 from tests.support.harness import wait_until
 from tests.support.netns import isolated  # noqa: F401  (the module's private network namespace)
+from tests.support.processes import Shared, handed_over
 from tests.support.sglang_engine import SglangServer, check, sglang_env, sglang_server
+
+pytestmark = pytest.mark.engine
 
 WAIT, TIMEOUT = 1.0, 0.5  # conftest.FAST
 BOUND = WAIT + TIMEOUT + 2.0
@@ -28,9 +32,12 @@ SGLANG_HEALTH_TIMEOUT = 20.0
 
 
 @pytest.fixture(scope="module")
-def server(isolated: None) -> Iterator[SglangServer]:  # noqa: F811
-    with sglang_server(dp_size=2) as started:
-        yield started
+def server_pool(isolated: None) -> Iterator[Shared[SglangServer]]:  # noqa: F811
+    with Shared("SGLang with 2 DP ranks", lambda: sglang_server(dp_size=2)) as pool:
+        yield pool
+
+
+server = handed_over("server")
 
 
 def health(side: Any) -> dict[str, Any]:
@@ -53,7 +60,7 @@ def test_ranks_are_counted_and_each_gets_its_own_canary_and_progress(server, sid
         assert "sglang:num_requests_total" not in detail  # the tokenizer's counters name no rank
         assert check(side, unit)["last_canary"]["outcome"] == "success"
     # The rank-1 canary is pinned by data_parallel_rank, and the real server runs it there.
-    plan = plan_canary(Settings.model_validate(sglang_env(server))).for_rank(1)
+    plan = plan_canary(Settings.model_validate(sglang_env(server)).canary_config()).for_rank(1)
     pinned = plan.request(None, "canary-pinned").body
     assert pinned["data_parallel_rank"] == 1
     answer = server.generate(pinned)

@@ -26,12 +26,12 @@ from fastapi.testclient import TestClient
 from sidecar.config import ConfigError, load_settings
 from sidecar.core.evidence.result import Outcome, Result
 from sidecar.core.observations import CanaryDone, Registered
-from sidecar.probes import plan_canary
 from sidecar.runtime.health import Health
 from sidecar.surface.app import create_app
 from sidecar.surface.history import History, scrub
 from sidecar.surface.metrics import Metrics
 from sidecar.surface.statuspage import render
+from tests.support.configured import health_of
 from tests.support.harness import ROOT, Sidecar, base_env, wait_until
 from tests.support.prerequisites import missing as prerequisite_missing
 
@@ -47,6 +47,7 @@ def result(outcome: Outcome, at: float, reason: str = "fine", rid: str = "") -> 
 # --- the history ---------------------------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_failures_outlive_a_flood_of_successes() -> None:
     history = History(successes=3, failures=2, changes=2)
     history.add_canary("generate", result(Outcome.TIMEOUT, 1, "timed out", "old-failure"))
@@ -68,6 +69,7 @@ def test_failures_outlive_a_flood_of_successes() -> None:
     assert history.limits == {"successes": 3, "failures": 2, "changes": 2}
 
 
+@pytest.mark.unit
 def test_history_keeps_no_credentials() -> None:
     history = History(secrets=["sk-secret-123"])
     reason = (
@@ -88,13 +90,14 @@ def test_history_keeps_no_credentials() -> None:
 def health_with_history(monkeypatch: pytest.MonkeyPatch) -> tuple[Health, History, TestClient]:
     monkeypatch.setenv("DYN_HEALTH_CHECK_ENABLED", "true")
     settings = load_settings()
-    health = Health(settings, [plan_canary(settings)])
+    health = health_of(settings)
     history = History()
-    history.listen(health)
-    app = create_app(settings, health, Metrics(health), history)
+    health.subscribe(history.on_event)
+    app = create_app(settings.about(), health, Metrics(health, settings.about()), history)
     return health, history, TestClient(app)
 
 
+@pytest.mark.unit
 def test_the_listener_records_canaries_and_changes_of_every_verdict(monkeypatch) -> None:
     health, history, client = health_with_history(monkeypatch)
     ok = Result(Outcome.SUCCESS, "GET /health -> 200", 0, 0.01, 1e9, "", 200)
@@ -112,6 +115,7 @@ def test_the_listener_records_canaries_and_changes_of_every_verdict(monkeypatch)
     assert body["canaries"][0]["request_id"] == "canary-a"
 
 
+@pytest.mark.unit
 def test_the_renderer_escapes_every_dynamic_value(monkeypatch) -> None:
     health, history, _ = health_with_history(monkeypatch)
     evil = '<script>alert("x")</script>'
@@ -125,6 +129,7 @@ def test_the_renderer_escapes_every_dynamic_value(monkeypatch) -> None:
     assert 'class="point error"' in page
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("path", ["/", "/debug/history"])
 def test_the_page_routes_are_reserved(monkeypatch, path: str) -> None:
     monkeypatch.setenv("DYN_SYSTEM_HEALTH_PATH", path)
@@ -133,6 +138,7 @@ def test_the_page_routes_are_reserved(monkeypatch, path: str) -> None:
     assert "DYN_SYSTEM_HEALTH_PATH" in str(caught.value)
 
 
+@pytest.mark.process
 def test_an_engine_url_with_credentials_is_refused_without_echoing_them() -> None:
     done = subprocess.run(
         [sys.executable, "-m", "sidecar", "--check-config"],
@@ -163,6 +169,7 @@ def history_of(side: Sidecar) -> dict[str, Any]:
     return answer.json()
 
 
+@pytest.mark.process
 def test_page_and_history_ready_then_hung(engine, sidecar) -> None:
     needle = uuid.uuid4().hex
     key = f"sk-hs-{needle}"
@@ -289,6 +296,7 @@ def screenshot(binary: str, url: str, path: Path) -> None:
     assert len(data) > 5000
 
 
+@pytest.mark.system
 def test_headless_chromium_renders_the_page_ready_and_hung(engine, sidecar, tmp_path) -> None:
     binary = chromium()
     out = ROOT / "docs" if os.environ.get("STATUS_PAGE_SCREENSHOTS") else tmp_path

@@ -21,9 +21,9 @@ from sidecar.core.observations import (
 )
 from sidecar.core.snapshot import Snapshot, readiness_of
 from sidecar.core.step import _STEPS, step
-from sidecar.probes import plan_canary
-from sidecar.runtime.health import Health
-from tests.support.configured import settings_from
+from tests.support.configured import health_of, settings_from
+
+pytestmark = pytest.mark.unit
 
 OK = Result(Outcome.SUCCESS, "GET /health -> 200", 1.0, 1.01, 1e9, "", 200)
 GONE = Result(Outcome.ERROR, "GET /health: connection refused", 2.0, 2.01, 1e9, "", None)
@@ -33,7 +33,7 @@ SLOW = Result(Outcome.TIMEOUT, "canary timeout after 0.5 s", 1.1, 1.6, 1e9, "can
 
 def fresh(monkeypatch: pytest.MonkeyPatch) -> Snapshot:
     settings = settings_from(monkeypatch, DYN_HEALTH_CHECK_ENABLED="true", SIDECAR_MODEL="tiny")
-    return Health(settings, [plan_canary(settings)], clock=lambda: 0.0).snapshot
+    return health_of(settings, clock=lambda: 0.0).snapshot
 
 
 def run(snap: Snapshot, *observations: Observation, now: float = 1.5) -> list[list[str]]:

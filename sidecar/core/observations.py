@@ -25,10 +25,23 @@ class Registered:
 
 @dataclass(frozen=True)
 class ModelServed:
-    """The served model's name, learned from the engine (None: it could not be learned)."""
+    """The served model's name, learned from the engine (None: it could not be learned, ``why``).
+    Observed before the registration check it came with: a registered engine whose model is not
+    known cannot be canaried, and the step counts it as not registered."""
 
     unit: str
     model: str | None
+    why: str = ""
+
+
+@dataclass(frozen=True)
+class RanksCounted:
+    """The data-parallel ranks the engine's metrics name (by ``label``), counted for the engine's
+    ``incarnation`` (SIDECAR_DP_RANKS=auto)."""
+
+    ranks: tuple[int, ...]
+    label: str
+    incarnation: int
 
 
 @dataclass(frozen=True)
@@ -136,6 +149,7 @@ class Heartbeat:
 Observation = (
     Registered
     | ModelServed
+    | RanksCounted
     | CanaryDone
     | ProgressRead
     | SleepSaid

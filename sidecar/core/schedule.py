@@ -6,7 +6,7 @@ is due, and waits for the earliest of the rest or for an observation. The rules:
 - Engine-level work, done once per engine and fanned out to its units: the registration check
   every SIDECAR_REGISTRATION_INTERVAL, the metrics read every SIDECAR_METRICS_INTERVAL (when the
   progress source is on), counting the data-parallel ranks every registration interval until
-  they are counted (SIDECAR_DP_RANKS=auto).
+  they are counted for the engine's incarnation (SIDECAR_DP_RANKS=auto).
 - The heartbeat every :data:`~sidecar.core.verdict.HEARTBEAT_INTERVAL`; the end of a declared
   maintenance window at its deadline.
 - Per unit, its probe: the canary when :func:`~sidecar.core.endpoint.canary_due` says, the
@@ -49,7 +49,7 @@ class Timing:
     registration: float  # SIDECAR_REGISTRATION_INTERVAL
     metrics: float | None  # SIDECAR_METRICS_INTERVAL; None: the metrics are not read
     transfer: float  # SIDECAR_KV_PROBE_INTERVAL
-    count_ranks: bool = False  # SIDECAR_DP_RANKS=auto, and the ranks not counted yet
+    count_ranks: bool = False  # SIDECAR_DP_RANKS=auto: counted once per incarnation
 
 
 def next_due(
@@ -76,7 +76,7 @@ def next_due(
     due[Work(Job.MAINTENANCE)] = window.until if window is not None else None
     if timing.metrics is not None:
         due[Work(Job.METRICS)] = every(Work(Job.METRICS), timing.metrics)
-    if timing.count_ranks:
+    if timing.count_ranks and snap.ranks_counted_for != snap.incarnation():
         due[Work(Job.RANKS)] = every(Work(Job.RANKS), timing.registration)
     for unit, job in probes.items():
         ep = snap.endpoints[unit]

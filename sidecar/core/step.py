@@ -26,12 +26,14 @@ from sidecar.core.endpoint import (
     apply_sample,
     apply_transfers,
     judged,
+    proves_anew,
+    unit_name,
 )
 from sidecar.core.events import Event, Kind, note, verdict_events, worker_events
 from sidecar.core.evidence import lifecycle
 from sidecar.core.evidence.lifecycle import LifecycleState
 from sidecar.core.evidence.progress import ProgressSample
-from sidecar.core.evidence.result import Outcome
+from sidecar.core.evidence.result import Outcome, Result
 from sidecar.core.evidence.transfers import WINDOW
 from sidecar.core.observations import (
     CanaryDone,
@@ -45,6 +47,7 @@ from sidecar.core.observations import (
     ModelServed,
     Observation,
     ProgressRead,
+    RanksCounted,
     Registered,
     SleepSaid,
     TransfersRead,
@@ -68,7 +71,12 @@ class _Changes:
         self.events: list[Event] = []
         self.told_progress = snap.told_progress
         self.models: Mapping[str, str | None] = snap.models
+        self.model_why: Mapping[str, str] = snap.model_why
         self.draining = snap.draining
+        # The unit layout, changed only by a rank count.
+        self.units = snap.units
+        self.rank_of = snap.rank_of
+        self.ranks_counted_for = snap.ranks_counted_for
 
     def say(self, text: str, level: int = logging.INFO, unit: str | None = None) -> None:
         self.events.append(note(text, level, unit))
@@ -102,6 +110,57 @@ def _model(c: _Changes, obs: ModelServed) -> None:
     if c.snap.models[obs.unit] != obs.model:
         c.say(f"{obs.unit}: served model is {obs.model!r} (from GET /v1/models)", unit=obs.unit)
         c.models = {**c.snap.models, obs.unit: obs.model}
+    if obs.model is None:
+        c.model_why = {**c.model_why, obs.unit: obs.why}
+
+
+def _ranks(c: _Changes, obs: RanksCounted) -> None:
+    """The engine's ranks, counted (SIDECAR_DP_RANKS=auto): with more than one, each endpoint
+    checked per rank is a unit per rank from now on, with one, the endpoint as a whole. A count
+    for another incarnation than the engine's now says nothing (it restarted meanwhile)."""
+    snap = c.snap
+    if not snap.per_rank or obs.incarnation != snap.incarnation():
+        return
+    first = snap.ranks_counted_for is None
+    c.ranks_counted_for = obs.incarnation
+    found = len(obs.ranks)
+    members = snap.units[snap.per_rank[0]]
+    had = len(members) if snap.ranked(snap.per_rank[0]) else 1
+    if first or found != had:
+        again = "" if first else f"; it had {had} before it restarted"
+        c.say(
+            f"the engine's metrics show {found} data-parallel rank(s) "
+            f"({obs.label}={','.join(map(str, obs.ranks))}){again}"
+        )
+    if found == had:
+        return
+    endpoints = dict(c.endpoints)
+    units = dict(snap.units)
+    rank_of = dict(snap.rank_of)
+    models = dict(c.models)
+    for endpoint in snap.per_rank:
+        old = snap.units[endpoint]
+        before = snap.endpoints[old[0]]
+        for unit in old:
+            del endpoints[unit], rank_of[unit], models[unit]
+        ranks: list[int | None] = list(range(found)) if found > 1 else [None]
+        units[endpoint] = tuple(unit_name(endpoint, r) for r in ranks)
+        for rank, unit in zip(ranks, units[endpoint], strict=True):
+            fresh = replace(
+                EndpointState(unit, before.has_canary, before.canary_why, liveness=before.liveness),
+                registration=before.registration,
+                lifecycle=before.lifecycle,
+            )
+            endpoints[unit] = replace(fresh, canary=proves_anew(fresh, c.now))
+            rank_of[unit] = rank
+            models[unit] = c.models.get(old[0])
+    c.endpoints, c.units, c.rank_of, c.models = endpoints, units, rank_of, models
+    c.told_progress = {}
+    checked = ", ".join(u for e in snap.per_rank for u in units[e])
+    if found > 1:
+        c.say(f"checking {found} data-parallel ranks ({checked}), each with its own canary")
+    else:
+        c.say(f"checking the engine as one ({checked}): it has one data-parallel rank")
 
 
 def _drain(c: _Changes, obs: DrainAsked) -> None:
@@ -128,9 +187,20 @@ def _window_over(c: _Changes, obs: MaintenanceOver) -> None:
 
 
 # --- one unit's sources -------------------------------------------------------------------------
+def _unusable(c: _Changes, unit: str, result: Result) -> Result:
+    """A registered engine whose served model could not be learned, for a canary that names
+    it, cannot be canaried: it counts as not registered, with the lookup's reason."""
+    if not result.ok or c.snap.endpoint_of(unit) not in c.snap.model_wanted:
+        return result
+    if c.models.get(unit) is not None:
+        return result
+    why = c.model_why.get(unit, "not looked up yet")
+    return replace(result, outcome=Outcome.ERROR, reason=f"model not known: {why}")
+
+
 def _registered(c: _Changes, obs: Registered) -> None:
     unit, before = obs.unit, c.snap.endpoints[obs.unit]
-    after = apply_registration(before, obs.result, c.snap.policy)
+    after = apply_registration(before, _unusable(c, unit, obs.result), c.snap.policy)
     was, is_ = before.registration, after.registration
     if was.registered != is_.registered:
         said = "registered" if is_.registered else "deregistered"
@@ -255,9 +325,19 @@ def _published(snap: Snapshot, changes: _Changes) -> Stepped:
     """The new snapshot, and after the sources' notes the events of what it changed: each unit's
     verdict, its ranked endpoint's, the worker's readiness and liveness."""
     now = changes.now
-    changed = [u for u, ep in changes.endpoints.items() if ep != snap.endpoints[u]]
-    new = rebuilt(
+    # Units new in this step (a rank count) have no verdict to change from yet.
+    changed = [
+        u for u, ep in changes.endpoints.items() if u in snap.endpoints and ep != snap.endpoints[u]
+    ]
+    layout = replace(
         snap,
+        units=changes.units,
+        rank_of=changes.rank_of,
+        ranks_counted_for=changes.ranks_counted_for,
+        model_why=changes.model_why,
+    )
+    new = rebuilt(
+        layout,
         now,
         endpoints=changes.endpoints,
         models=changes.models,
@@ -301,6 +381,7 @@ def _described(sample: ProgressSample | None) -> str:
 # every kind in sidecar.core.observations.Observation has one).
 _STEPS: dict[type, Callable[[_Changes, Any], None]] = {
     ModelServed: _model,
+    RanksCounted: _ranks,
     DrainAsked: _drain,
     Heartbeat: _heartbeat,
     MaintenanceDeclared: _window,

@@ -64,9 +64,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 
-from sidecar.config import StartingStatus
 from sidecar.core.endpoint import EndpointState, parked
 from sidecar.core.evidence.policy import Policy
+
+
+class StartingStatus(StrEnum):
+    """DYN_SYSTEM_STARTING_HEALTH_STATUS: what an endpoint with no verdict yet counts as."""
+
+    READY = "ready"
+    NOTREADY = "notready"
 
 
 @dataclass(frozen=True)

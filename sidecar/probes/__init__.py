@@ -4,90 +4,112 @@ endpoint's canary.
 Where is a decode canary built? In the backend's module, method ``body``: over the engine's HTTP
 API ``vllm.py``, ``sglang.py``, ``trtllm.py`` or ``openai.py``; over Dynamo's request plane
 (SIDECAR_TRANSPORT=dynamo) ``dynamo/vllm.py``, ``dynamo/sglang.py`` or ``dynamo/trtllm.py``.
+How is its answer judged? ``judge.py``. How is it sent and stopped? ``http.py`` and
+``dynamo/canary.py``, one probe per kind (``kinds.py``).
 """
 
 from __future__ import annotations
 
-from sidecar.config import GENERATE, KV_TRANSFER, Backend, Settings, Transport
-from sidecar.probes.base import CanaryPlan, CanaryRequest, Prober, Role
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from sidecar.core.endpoint import GENERATE, KV_TRANSFER
+from sidecar.probes.base import CanaryPlan, CanaryRequest, Prober
 from sidecar.probes.dynamo import DynamoSglangProber, DynamoTrtllmProber, DynamoVllmProber
 from sidecar.probes.kinds import Probe, ProbeKind
 from sidecar.probes.openai import OpenAIProber
+from sidecar.probes.role import Backend, Mode, ModelType, Role, Transport
 from sidecar.probes.sglang import SglangProber
 from sidecar.probes.transfer import PATH
 from sidecar.probes.trtllm import TrtllmProber
 from sidecar.probes.vllm import VllmProber
 
 __all__ = [
+    "Backend",
+    "CanaryConfig",
     "CanaryPlan",
     "CanaryRequest",
+    "Mode",
+    "ModelType",
     "Probe",
     "ProbeKind",
     "Prober",
     "Role",
+    "Transport",
     "plan_canary",
     "plan_transfer_probe",
     "prober_for",
 ]
 
 
-def prober_for(settings: Settings) -> Prober:
-    if settings.transport is Transport.DYNAMO:
-        endpoint = settings.dynamo_endpoint or GENERATE
-        match settings.backend:
+@dataclass(frozen=True)
+class CanaryConfig:
+    """What decides an endpoint's canary, as configured: the engine's API, how it is reached, the
+    worker's role, and what the user chose."""
+
+    backend: Backend
+    role: Role
+    transport: Transport = Transport.HTTP
+    enabled: bool = False  # DYN_HEALTH_CHECK_ENABLED
+    payload: Mapping[str, Any] | None = None  # DYN_HEALTH_CHECK_PAYLOAD
+    path: str | None = None  # SIDECAR_CANARY_PATH
+    dynamo_endpoint: str | None = None  # SIDECAR_DYNAMO_ENDPOINT
+    bootstrap_port: int = 8998  # SIDECAR_SGLANG_BOOTSTRAP_PORT
+
+
+def prober_for(config: CanaryConfig) -> Prober:
+    if config.transport is Transport.DYNAMO:
+        endpoint = config.dynamo_endpoint or GENERATE
+        match config.backend:
             case Backend.VLLM:
                 return DynamoVllmProber(endpoint)
             case Backend.SGLANG:
-                return DynamoSglangProber(endpoint, settings.sglang_bootstrap_port)
+                return DynamoSglangProber(endpoint, config.bootstrap_port)
             case Backend.TRTLLM:
                 return DynamoTrtllmProber(endpoint)
             case Backend.OPENAI:  # refused by the configuration's checks
                 raise ValueError("no Dynamo worker speaks the openai backend")
-    match settings.backend:
+    match config.backend:
         case Backend.VLLM:
             return VllmProber()
         case Backend.SGLANG:
-            return SglangProber(settings.sglang_bootstrap_port)
+            return SglangProber(config.bootstrap_port)
         case Backend.TRTLLM:
             return TrtllmProber()
         case Backend.OPENAI:
             return OpenAIProber()
 
 
-def plan_transfer_probe(settings: Settings) -> CanaryPlan | None:
-    """The kv_transfer endpoint's plan, when SIDECAR_KV_PEER_URL names a prefill peer."""
-    if settings.kv_peer_url is None:
-        return None
-    prober = prober_for(settings)
+def plan_transfer_probe(config: CanaryConfig, peer_url: str, interval: float) -> CanaryPlan:
+    """The kv_transfer endpoint's plan: a prefill peer at ``peer_url`` (SIDECAR_KV_PEER_URL),
+    probed every ``interval`` (SIDECAR_KV_PROBE_INTERVAL)."""
     why = (
-        f"a real KV transfer from the prefill peer {settings.kv_peer_url}, decoded here and "
-        "checked against a local prefill, every "
-        f"{settings.kv_probe_interval:g} s and when transfers fail"
+        f"a real KV transfer from the prefill peer {peer_url}, decoded here and checked against "
+        f"a local prefill, every {interval:g} s and when transfers fail"
     )
-    role = Role(settings.disaggregation_mode, settings.model_type)
-    return CanaryPlan(KV_TRANSFER, True, why, prober, role, PATH, probe=ProbeKind.TRANSFER)
+    prober = prober_for(config)
+    return CanaryPlan(KV_TRANSFER, True, why, prober, config.role, PATH, probe=ProbeKind.TRANSFER)
 
 
-def plan_canary(settings: Settings, endpoint: str = GENERATE) -> CanaryPlan:
+def plan_canary(config: CanaryConfig, endpoint: str = GENERATE) -> CanaryPlan:
     """Decide whether the endpoint gets a canary, why, and with which request."""
-    prober = prober_for(settings)
-    role = Role(settings.disaggregation_mode, settings.model_type)
-    path = settings.canary_path or prober.generation_path
-    override = settings.health_check_payload
-
-    kind = ProbeKind.DYNAMO if settings.transport is Transport.DYNAMO else ProbeKind.HTTP
+    prober = prober_for(config)
+    path = config.path or prober.generation_path
+    override = dict(config.payload) if config.payload is not None else None
+    kind = ProbeKind.DYNAMO if config.transport is Transport.DYNAMO else ProbeKind.HTTP
 
     def plan(enabled: bool, why: str) -> CanaryPlan:
-        return CanaryPlan(endpoint, enabled, why, prober, role, path, override, probe=kind)
+        return CanaryPlan(endpoint, enabled, why, prober, config.role, path, override, probe=kind)
 
-    if not settings.health_check_enabled:
+    if not config.enabled:
         return plan(
             False,
             "canaries are off (DYN_HEALTH_CHECK_ENABLED=false); readiness follows registration",
         )
     if override is not None:
         return plan(True, "DYN_HEALTH_CHECK_PAYLOAD replaces the built-in body")
-    skip = prober.skip_reason(role)
+    skip = prober.skip_reason(config.role)
     if skip is not None:
         return plan(False, skip)
-    return plan(True, prober.why(role))
+    return plan(True, prober.why(config.role))

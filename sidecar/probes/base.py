@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
-from sidecar.config import Backend, Mode, ModelType, Transport
+from sidecar.core.endpoint import unit_name
 from sidecar.core.evidence.progress import (
     COMPLETED,
     GENERATION,
@@ -18,6 +18,7 @@ from sidecar.core.evidence.progress import (
 )
 from sidecar.core.evidence.transfers import TransferSpec
 from sidecar.probes.kinds import ProbeKind
+from sidecar.probes.role import Backend, Mode, Role, Transport
 
 # Eight ordinary token ids: valid in every real vocabulary, and shorter than one KV block
 # (16 tokens in vLLM and SGLang by default), so a prefill never pins a full block.
@@ -50,12 +51,6 @@ class CanaryRequest:
     # Tokens the engine must report generating; None when the body is a user override.
     expected_tokens: int | None
     headers: Mapping[str, str] = field(default_factory=dict)  # besides X-Request-Id
-
-
-@dataclass(frozen=True)
-class Role:
-    mode: Mode
-    model_type: ModelType
 
 
 class Prober:
@@ -175,7 +170,7 @@ class CanaryPlan:
     @property
     def unit(self) -> str:
         """What this plan checks: the endpoint, or one rank of it ("generate/rank1")."""
-        return self.endpoint if self.rank is None else f"{self.endpoint}/rank{self.rank}"
+        return unit_name(self.endpoint, self.rank)
 
     def for_rank(self, rank: int) -> CanaryPlan:
         return replace(self, rank=rank)

@@ -1,6 +1,7 @@
-"""The canary over the engine's HTTP API: the request the backend's prober built
-(``sidecar/probes/<backend>.py``), sent by the engine client with the whole-answer deadline, its
-answer judged by the same prober.
+"""The canary over the engine's HTTP API, as blackbox_exporter's ``ProbeHTTP`` reads: send the
+request the backend's prober built (``sidecar/probes/<backend>.py``) through the engine client
+with the whole-answer deadline, judge what came back (:func:`sidecar.probes.judge.judge`), and
+stop it on the engine if it timed out.
 
 A canary that times out must not stay on the engine. What stops it is the backend's (its
 prober's, measured on each real engine: docs/concepts/backends.md):
@@ -21,16 +22,13 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 from sidecar.core.evidence.result import Outcome, Result
-from sidecar.probes.base import CanaryRequest
-from sidecar.runtime.engine import NoAnswer
-
-if TYPE_CHECKING:
-    from sidecar.probes.base import CanaryPlan
-    from sidecar.runtime.engine import EngineClient
+from sidecar.probes.base import CanaryPlan, CanaryRequest
+from sidecar.probes.exchange import Channel, NoAnswer
+from sidecar.probes.judge import judge
 
 #: The abort's own deadline: short, since it is sent to an engine that just failed to answer.
 ABORT_TIMEOUT = 1.0
@@ -40,8 +38,17 @@ KEEP_CAP = 300.0
 
 
 class HttpCanary:
-    def __init__(self, client: EngineClient, *, abort_timeout: float = ABORT_TIMEOUT) -> None:
-        self.client = client
+    def __init__(
+        self,
+        channel: Channel,
+        *,
+        timeout: float,
+        clock: Callable[[], float] = time.monotonic,
+        abort_timeout: float = ABORT_TIMEOUT,
+    ) -> None:
+        self.channel = channel
+        self.timeout = timeout
+        self.clock = clock
         self.abort_timeout = abort_timeout
         # Per unit (endpoint or rank): the canary still waiting on the engine after its timeout,
         # and its request id.
@@ -58,12 +65,17 @@ class HttpCanary:
     async def __call__(self, plan: CanaryPlan, request: CanaryRequest, model: str | None) -> Result:
         if plan.prober.keeps_abandoned:
             return await self._kept_canary(plan, request)
-        result = await self.client.canary(plan, request)
+        result = await self._send(plan, request, self.timeout)
         if result.outcome is Outcome.TIMEOUT:
             said = await self._abort(plan, request)
             if said:
                 result = replace(result, reason=f"{result.reason}; {said}")
         return result
+
+    async def _send(self, plan: CanaryPlan, request: CanaryRequest, deadline: float) -> Result:
+        """Send and judge; every reason scrubbed of the secrets the channel sends."""
+        result = judge(plan, request, await self.channel.send(request, deadline))
+        return replace(result, reason=self.channel.redact(result.reason))
 
     async def _abort(self, plan: CanaryPlan, request: CanaryRequest) -> str | None:
         """Send the engine's abort of a timed-out canary, where it has one, and say how it went
@@ -73,20 +85,21 @@ class HttpCanary:
             return None
         what = f"{abort.method} {abort.path}"
         try:
-            answer = await self.client.send(abort, self.abort_timeout)
+            answer = (await self.channel.send(abort, self.abort_timeout)).answer
         except Exception as exc:  # nothing of an abort may reach the monitor
             return f"its abort failed ({what}: {type(exc).__name__}: {exc})"
         if isinstance(answer, NoAnswer):
             return f"its abort failed ({answer.reason})"
-        if answer.status != 200:
-            return f"its abort failed ({what} -> {answer.status})"
+        status = getattr(answer, "status", None)
+        if status != 200:
+            return f"its abort failed ({what} -> {status})"
         return f"stopped on the engine ({what} -> 200)"
 
     async def _kept_canary(self, plan: CanaryPlan, request: CanaryRequest) -> Result:
         """The canary of an engine that cannot stop an abandoned request: wait for the one still
         on the engine if there is one, else send this one; either way, on the deadline leave it
         waiting on its connection (up to KEEP_CAP) rather than close it."""
-        started = self.client.clock()
+        started = self.clock()
         kept = self._kept.get(plan.unit)
         if kept is not None and not kept[0].done() and await self._answers(plan):
             kept[0].cancel()  # closes its connection; the engine, awake, lets it go
@@ -94,11 +107,11 @@ class HttpCanary:
         again = kept is not None and not kept[0].done()
         if kept is None or kept[0].done():
             # Nothing on the engine (an earlier kept canary that has its answer now is stale).
-            task = asyncio.create_task(self.client.canary(plan, request, deadline=KEEP_CAP))
+            task = asyncio.create_task(self._send(plan, request, KEEP_CAP))
             task.add_done_callback(_retrieve)
             kept = self._kept[plan.unit] = (task, request.request_id)
         task, request_id = kept
-        left = self.client.timeout - (self.client.clock() - started)
+        left = self.timeout - (self.clock() - started)
         await asyncio.wait({task}, timeout=max(0.0, left))
         if task.done():
             del self._kept[plan.unit]
@@ -106,13 +119,11 @@ class HttpCanary:
             return replace(result, started=started) if again else result
         which = f"canary {request_id}, sent before this one," if again else "it"
         reason = (
-            f"no complete answer within {self.client.timeout:g} s; {which} stays on its "
+            f"no complete answer within {self.timeout:g} s; {which} stays on its "
             "connection (the engine would compute it anyway and has no abort): no other is "
             "sent until it ends"
         )
-        return Result(
-            Outcome.TIMEOUT, reason, started, self.client.clock(), time.time(), request_id
-        )
+        return Result(Outcome.TIMEOUT, reason, started, self.clock(), time.time(), request_id)
 
     async def _answers(self, plan: CanaryPlan) -> bool:
         """Whether the engine's registration route answers at all (any HTTP status), within a
@@ -120,10 +131,10 @@ class HttpCanary:
         path = plan.prober.registration_path
         probe = CanaryRequest("GET", path, {}, "", None)
         try:
-            answer = await self.client.send(probe, self.client.timeout / 4)
+            received = await self.channel.send(probe, self.timeout / 4)
         except Exception:  # nothing of it may reach the monitor
             return False
-        return not isinstance(answer, NoAnswer)
+        return not isinstance(received.answer, NoAnswer)
 
 
 def _retrieve(task: asyncio.Task[Result]) -> None:

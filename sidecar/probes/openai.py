@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from sidecar.config import Backend
 from sidecar.core.evidence.progress import GENERATION, PROMPT, STEPS, ProgressSpec, series
 from sidecar.probes.base import Prober, Role, completion_problem
+from sidecar.probes.role import Backend
 
 
 class OpenAIProber(Prober):

@@ -21,7 +21,6 @@ from __future__ import annotations
 import uuid
 from typing import Any, ClassVar
 
-from sidecar.config import Backend, Mode
 from sidecar.core.evidence.progress import (
     COMPLETED,
     GENERATION,
@@ -32,6 +31,7 @@ from sidecar.core.evidence.progress import (
     series,
 )
 from sidecar.probes.base import PROMPT_TOKEN_IDS, CanaryRequest, Prober, Role
+from sidecar.probes.role import Backend, Mode
 
 FAKE_BOOTSTRAP_HOST = "2.2.2.2"
 ABORT_PATH = "/abort_request"

@@ -21,17 +21,15 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from sidecar.core.evidence.result import Outcome, Result
-from sidecar.probes.base import token_completion_body
-
-if TYPE_CHECKING:
-    from sidecar.probes.base import CanaryPlan, CanaryRequest
-    from sidecar.runtime.engine import EngineClient
+from sidecar.probes.base import CanaryPlan, CanaryRequest, token_completion_body
+from sidecar.probes.exchange import Answer, Channel, NoAnswer, error_text
 
 # What vLLM's NIXL connector reads in a prefill request: "keep the KV, a decoder will pull it".
 REMOTE_DECODE: dict[str, Any] = {
@@ -98,16 +96,32 @@ def generated(answer: Any) -> str | None:
     return text if isinstance(text, str) else None
 
 
+async def post_json(channel: Channel, body: dict[str, Any], deadline: float) -> Any:
+    """POST a completion body: the parsed JSON of a 200 answer, or why there is none (its
+    reason scrubbed of the channel's secrets)."""
+    answer = (await channel.send(CanaryRequest("POST", PATH, body, "", None), deadline)).answer
+    if isinstance(answer, NoAnswer):
+        return NoAnswer(answer.outcome, channel.redact(answer.reason))
+    if not isinstance(answer, Answer):
+        return NoAnswer(Outcome.INVALID, "not an HTTP answer")
+    if answer.status != 200:
+        reason = channel.redact(f"HTTP {answer.status}: {error_text(answer.body)}")
+        return NoAnswer(Outcome.ERROR, reason)
+    try:
+        return json.loads(answer.body)
+    except ValueError:
+        return NoAnswer(Outcome.INVALID, f"body is not valid JSON ({len(answer.body)} bytes)")
+
+
 class TransferProbe:
-    """The probe's I/O: a prefill on the peer, the decode here with the KV it returned, and the
-    local reference, with the probe's deadline (SIDECAR_KV_PROBE_TIMEOUT) on the whole. Its two
-    clients (the peer's, the local engine's) carry that deadline on every request; it owns and
-    closes them."""
+    """The probe: a prefill on the peer, the decode here with the KV it returned, and the local
+    reference, with the probe's deadline (SIDECAR_KV_PROBE_TIMEOUT) on the whole and on every
+    request. Its two channels (the peer's, the local engine's) are closed by their owner."""
 
     def __init__(
         self,
-        peer: EngineClient,
-        local: EngineClient,
+        peer: Channel,
+        local: Channel,
         *,
         timeout: float,
         prompt_tokens: int,
@@ -121,8 +135,7 @@ class TransferProbe:
         self._nonce = itertools.count(int(time.time()))
 
     async def aclose(self) -> None:
-        await self.peer.aclose()
-        await self.local.aclose()
+        """Nothing of its own to stop: each request ends within the probe."""
 
     async def __call__(self, plan: CanaryPlan, request: CanaryRequest, model: str | None) -> Result:
         """One probe (the protocol of :mod:`sidecar.probes.kinds`): only the request's id is
@@ -147,22 +160,21 @@ class TransferProbe:
         self, model: str | None, request_id: str, result: Callable[[Outcome, str], Result]
     ) -> Result:
         plan = bodies(model, self.prompt_tokens, next(self._nonce), request_id)
-        answer, failed = await self.peer.post_json(PATH, plan.prefill)
-        if failed is not None:
-            return result(failed.outcome, f"prefill peer: {failed.reason}")
+        answer = await post_json(self.peer, plan.prefill, self.timeout)
+        if isinstance(answer, NoAnswer):
+            return result(answer.outcome, f"prefill peer: {answer.reason}")
         params = transfer_params(answer)
         if params is None:
             return result(Outcome.INVALID, "prefill peer: no kv_transfer_params in its answer")
         # The transfer leg and the reference run side by side: the deadline covers both.
-        transfer, reference = await asyncio.gather(
-            self.local.post_json(PATH, plan.decode(params)),
-            self.local.post_json(PATH, plan.local),
+        decoded, local = await asyncio.gather(
+            post_json(self.local, plan.decode(params), self.timeout),
+            post_json(self.local, plan.local, self.timeout),
         )
-        (decoded, failed), (local, local_failed) = transfer, reference
-        if failed is not None:
-            return result(failed.outcome, f"decode with the transferred KV: {failed.reason}")
-        if local_failed is not None:
-            return result(local_failed.outcome, f"local reference: {local_failed.reason}")
+        if isinstance(decoded, NoAnswer):
+            return result(decoded.outcome, f"decode with the transferred KV: {decoded.reason}")
+        if isinstance(local, NoAnswer):
+            return result(local.outcome, f"local reference: {local.reason}")
         got, want = generated(decoded), generated(local)
         if got is None or want is None:
             return result(Outcome.INVALID, "no generated text in an answer")

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from sidecar.config import Backend, Mode
 from sidecar.core.evidence.progress import (
     COMPLETED,
     GENERATION,
@@ -21,6 +20,7 @@ from sidecar.core.evidence.progress import (
     series,
 )
 from sidecar.probes.base import Prober, Role, token_completion_body
+from sidecar.probes.role import Backend, Mode
 
 LOCAL_PREFILL_AND_DECODE = {"request_type": "context_and_generation"}
 

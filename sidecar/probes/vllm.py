@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from sidecar.config import Backend, Mode, ModelType
 from sidecar.core.evidence.progress import (
     COMPLETED,
     GENERATION,
@@ -29,6 +28,7 @@ from sidecar.core.evidence.progress import (
 )
 from sidecar.core.evidence.transfers import TransferSpec
 from sidecar.probes.base import Prober, Role, token_completion_body
+from sidecar.probes.role import Backend, Mode, ModelType
 
 
 class VllmProber(Prober):

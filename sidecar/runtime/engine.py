@@ -13,18 +13,19 @@ import json
 import time
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
 from sidecar import __version__
 from sidecar.core.evidence.result import Outcome, Result
-from sidecar.probes import CanaryPlan, CanaryRequest
+from sidecar.probes.base import CanaryRequest
+from sidecar.probes.exchange import Answer, NoAnswer, Received, error_text
 from sidecar.redact import redact
 
+__all__ = ["Answer", "EngineClient", "NoAnswer", "error_text"]
+
 USER_AGENT = f"health-sidecar/{__version__}"
-ERROR_TEXT_CHARS = 200
 
 
 class BodyTooLarge(Exception):
@@ -33,41 +34,6 @@ class BodyTooLarge(Exception):
 
 class BadEncoding(Exception):
     pass
-
-
-@dataclass(frozen=True)
-class Answer:
-    status: int
-    content_type: str
-    body: bytes
-    location: str | None
-
-
-@dataclass(frozen=True)
-class NoAnswer:
-    """Why an exchange produced no answer, as the outcome a canary or a check records."""
-
-    outcome: Outcome
-    reason: str
-
-
-def error_text(body: bytes) -> str:
-    """The engine's error message from a JSON error body, or the start of the text."""
-    text = body.decode("utf-8", "replace").strip()
-    try:
-        parsed = json.loads(text)
-    except ValueError:
-        parsed = None
-    if isinstance(parsed, dict):
-        err = parsed.get("error", parsed.get("detail", parsed.get("message")))
-        if isinstance(err, dict):
-            err = err.get("message", err)
-        if err is not None:
-            text = err if isinstance(err, str) else json.dumps(err)
-    text = " ".join(text.split())
-    if not text:
-        return "(empty body)"
-    return text[:ERROR_TEXT_CHARS] + ("..." if len(text) > ERROR_TEXT_CHARS else "")
 
 
 def _no_answer(exc: Exception, timeout: float) -> NoAnswer:
@@ -115,7 +81,10 @@ class EngineClient:
         max_bytes: int,
         api_key: str | None = None,
         clock: Callable[[], float] = time.monotonic,
+        transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
+        """``transport``: httpx's own (None), or an in-process one for tests (an ASGI app's, a
+        mock's)."""
         # Identity encoding: the sidecar reads bodies with a byte bound, and a compressed body
         # would need decompressing anyway (see _decode for engines that compress regardless).
         headers = {"User-Agent": USER_AGENT, "Accept-Encoding": "identity"}
@@ -135,12 +104,13 @@ class EngineClient:
             # building the default SSL context (the CA bundle costs about 3 MiB).
             verify=not base_url.startswith("http://"),
             limits=httpx.Limits(max_connections=6, max_keepalive_connections=3),
+            transport=transport,
         )
 
     async def aclose(self) -> None:
         await self._http.aclose()
 
-    def _redact(self, text: str) -> str:
+    def redact(self, text: str) -> str:
         """Every reason the sidecar serves or logs comes through here: an engine or gateway that
         echoes the bearer token in its error text must not publish it."""
         return redact(text, (self._secret,))
@@ -210,31 +180,17 @@ class EngineClient:
         """GET a route: its answer, or why none came (with secrets scrubbed from the reason)."""
         answer = await self._exchange("GET", path)
         if isinstance(answer, NoAnswer):
-            return NoAnswer(answer.outcome, self._redact(f"GET {path}: {answer.reason}"))
+            return NoAnswer(answer.outcome, self.redact(f"GET {path}: {answer.reason}"))
         return answer
 
-    async def post_json(self, path: str, body: Any) -> tuple[Any, NoAnswer | None]:
-        """POST a JSON body: (the parsed JSON answer, None) on a 200 with JSON; else (None, why
-        not, as the outcome a probe records)."""
-        answer = await self._exchange("POST", path, json_body=body)
-        if isinstance(answer, NoAnswer):
-            return None, NoAnswer(answer.outcome, self._redact(answer.reason))
-        if answer.status != 200:
-            reason = self._redact(f"HTTP {answer.status}: {error_text(answer.body)}")
-            return None, NoAnswer(Outcome.ERROR, reason)
-        try:
-            return json.loads(answer.body), None
-        except ValueError:
-            return None, NoAnswer(
-                Outcome.INVALID, f"body is not valid JSON ({len(answer.body)} bytes)"
-            )
-
-    async def send(self, request: CanaryRequest, deadline: float) -> Answer | NoAnswer:
-        """Send one request the prober built (an abort of a timed-out canary) with its own
-        deadline, or a bodiless check; the reason of a missing answer has secrets scrubbed."""
+    async def send(self, request: CanaryRequest, deadline: float) -> Received:
+        """Send one request a probe built (a canary, an abort, a check) with its own deadline
+        over the whole answer: what came back, judged by nobody here; the reason of a missing
+        answer has secrets scrubbed."""
         headers = dict(request.headers)
         if request.request_id:
             headers["X-Request-Id"] = request.request_id
+        started = self.clock()
         answer = await self._exchange(
             request.method,
             request.path,
@@ -243,57 +199,8 @@ class EngineClient:
             deadline=deadline,
         )
         if isinstance(answer, NoAnswer):
-            return NoAnswer(answer.outcome, self._redact(answer.reason))
-        return answer
-
-    async def canary(
-        self, plan: CanaryPlan, request: CanaryRequest, *, deadline: float | None = None
-    ) -> Result:
-        """Send a canary and judge its answer, with a deadline over the whole answer (the
-        client's timeout unless ``deadline`` says otherwise)."""
-        started = self.clock()
-
-        def result(
-            outcome: Outcome, reason: str, status: int | None = None, answer: str | None = None
-        ) -> Result:
-            return Result(
-                outcome,
-                self._redact(reason),
-                started,
-                self.clock(),
-                time.time(),
-                request.request_id,
-                status,
-                answer,
-            )
-
-        answer = await self._exchange(
-            request.method,
-            request.path,
-            json_body=request.body,
-            headers={**request.headers, "X-Request-Id": request.request_id},
-            deadline=deadline,
-        )
-        if isinstance(answer, NoAnswer):
-            return result(answer.outcome, answer.reason)
-        status = answer.status
-        if 300 <= status < 400:
-            where = f" to {answer.location}" if answer.location else ""
-            return result(Outcome.ERROR, f"HTTP {status} redirect{where} (not followed)", status)
-        if status != 200:
-            return result(Outcome.ERROR, f"HTTP {status}: {error_text(answer.body)}", status)
-        if "json" not in answer.content_type.lower():
-            shown = answer.content_type or "none"
-            return result(Outcome.INVALID, f"content-type {shown}, expected JSON", status)
-        try:
-            parsed = json.loads(answer.body)
-        except ValueError:
-            size = len(answer.body)
-            return result(Outcome.INVALID, f"body is not valid JSON ({size} bytes)", status)
-        problem = plan.problem(parsed, request.expected_tokens)
-        if problem is not None:
-            return result(Outcome.INVALID, problem, status)
-        return result(Outcome.SUCCESS, "complete, well-formed answer", status, plan.answer(parsed))
+            answer = NoAnswer(answer.outcome, self.redact(answer.reason))
+        return Received(answer, started, self.clock(), time.time())
 
     async def registration(self, path: str) -> Result:
         """Check the engine's own cheapest "up and model loaded" route."""
@@ -301,7 +208,7 @@ class EngineClient:
 
         def result(outcome: Outcome, reason: str, status: int | None = None) -> Result:
             return Result(
-                outcome, self._redact(reason), started, self.clock(), time.time(), "", status
+                outcome, self.redact(reason), started, self.clock(), time.time(), "", status
             )
 
         answer = await self._exchange("GET", path)
@@ -316,7 +223,7 @@ class EngineClient:
         """(text, reason): the engine's Prometheus exposition, or None and why not."""
         answer = await self._exchange("GET", path)
         if isinstance(answer, NoAnswer):
-            return None, self._redact(f"GET {path}: {answer.reason}")
+            return None, self.redact(f"GET {path}: {answer.reason}")
         if answer.status != 200:
             return None, f"GET {path} -> {answer.status}"
         return answer.body.decode("utf-8", "replace"), f"GET {path} -> 200"
@@ -326,7 +233,7 @@ class EngineClient:
         without a usable answer, and ``missing`` is True when the route does not exist (404)."""
         answer = await self._exchange("GET", path)
         if isinstance(answer, NoAnswer):
-            return None, self._redact(f"GET {path}: {answer.reason}"), False
+            return None, self.redact(f"GET {path}: {answer.reason}"), False
         if answer.status == 404:
             return None, f"GET {path} -> 404: the engine serves no sleep route", True
         if answer.status != 200:
@@ -344,9 +251,9 @@ class EngineClient:
         path = "/v1/models"
         answer = await self._exchange("GET", path)
         if isinstance(answer, NoAnswer):
-            return None, self._redact(f"GET {path}: {answer.reason}")
+            return None, self.redact(f"GET {path}: {answer.reason}")
         if answer.status != 200:
-            return None, self._redact(f"GET {path} -> {answer.status}: {error_text(answer.body)}")
+            return None, self.redact(f"GET {path} -> {answer.status}: {error_text(answer.body)}")
         try:
             data = json.loads(answer.body).get("data")
             model = data[0]["id"]
@@ -354,4 +261,4 @@ class EngineClient:
             return None, f"GET {path}: no model id in the answer"
         if not isinstance(model, str) or not model:
             return None, f"GET {path}: no model id in the answer"
-        return self._redact(model), f"GET {path} lists a model"
+        return self.redact(model), f"GET {path} lists a model"

@@ -38,21 +38,13 @@ from collections.abc import Callable
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from sidecar.config import GrpcTarget
 from sidecar.core.evidence.result import Outcome, Result
-from sidecar.probes import CanaryPlan
+from sidecar.runtime.grpctarget import GrpcTarget
 
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 _STATUS_NAMES = health_pb2.HealthCheckResponse.ServingStatus.Name
 DETAILS_CHARS = 200
-
-
-def asks_engine_http(plan: CanaryPlan, *, over_grpc: bool) -> bool:
-    """Whether the engine's other HTTP routes (sleep, fault tolerance) are asked for this unit:
-    registered over gRPC, an engine may serve no HTTP at all (vLLM's gRPC server does not), and
-    only a canary shows that it does."""
-    return not over_grpc or plan.enabled
 
 
 class GrpcRegistration:

@@ -1,23 +1,26 @@
 """The scheduler: one loop that asks :func:`sidecar.core.schedule.next_due` what is due, starts
 it, and waits for the earliest of the rest or for an observation. Each piece of work is one task
 owned by the loop; it does the I/O and hands what it saw, as observations
-(:mod:`sidecar.core.observations`), to :meth:`Health.observe`, the pure step.
+(:mod:`sidecar.core.observations`), to :meth:`Health.observe`, the pure step. What to ask and
+how to weigh it is decided in the core and in ``sidecar/probes/``; this module only asks.
 
 - Registration: GET the engine's own health route every SIDECAR_REGISTRATION_INTERVAL (and learn
-  the served model when the canary needs it; ask a backend that can sleep whether it sleeps). A
-  Dynamo worker (SIDECAR_TRANSPORT=dynamo) is checked by
+  the served model for the units that want it, :meth:`Snapshot.wants_model`; ask the routes
+  :func:`sidecar.probes.units.asks` names: sleep, fault tolerance). A Dynamo worker
+  (SIDECAR_TRANSPORT=dynamo) is checked by
   :class:`sidecar.runtime.requestplane.worker.DynamoWorker` instead: its instance, its own
   /health and whether discovery lists it; its canaries go over the request plane.
 - Metrics: GET and parse the engine's metrics once every SIDECAR_METRICS_INTERVAL, for all its
-  units: each rank's progress, the failed-transfer counters, the sleep-state gauge.
-- Ranks: with SIDECAR_DP_RANKS=auto, count them in the metrics until they answer; with more than
-  one, each rank is a unit of its own from then on.
+  units: each rank's progress, the failed-transfer counters, the sleep-state gauge. Never two
+  reads of one route at a time (:class:`Reads`).
+- Ranks: with SIDECAR_DP_RANKS=auto, count them in the metrics until they answer, once per
+  incarnation; the step splits the units (:class:`~sidecar.core.observations.RanksCounted`).
 - Maintenance: end a declared window when its time is up.
 - Probes, per unit: the canary (or the transfer probe, SIDECAR_KV_PEER_URL) when due; its whole
   answer is waited for and observed before the next is due: never more than one in flight per
-  unit. With progress on, the metrics are also read as a canary leaves and again if it times
-  out: a timeout is weighed against the progress between those two reads, less what the canary
-  itself moved.
+  unit. With progress on, a canary that times out is weighed against the metrics read just
+  after it (one read serves every unit that timed out together) and the engine-level read before
+  it left, less what the canary itself moved.
 """
 
 from __future__ import annotations
@@ -28,13 +31,13 @@ import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import replace
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from sidecar.core.endpoint import maintenance_due, suspected
 from sidecar.core.evidence.faults import read_status, report_for
 from sidecar.core.evidence.lifecycle import sleeping_in
 from sidecar.core.evidence.progress import (
-    CanaryCost,
     Exposition,
     MetricsUnreadable,
     ProgressSample,
@@ -56,19 +59,113 @@ from sidecar.core.observations import (
     ModelServed,
     Observation,
     ProgressRead,
+    RanksCounted,
     Registered,
     SleepSaid,
     TransfersRead,
 )
 from sidecar.core.schedule import Job, Timing, Work, next_due
-from sidecar.probes import CanaryPlan, Probe, ProbeKind
-from sidecar.probes.http import HttpCanary
-from sidecar.runtime.engine import EngineClient, NoAnswer
-from sidecar.runtime.grpcregistration import GrpcRegistration, asks_engine_http
+from sidecar.probes.base import CanaryPlan
+from sidecar.probes.exchange import NoAnswer
+from sidecar.probes.kinds import Probe, ProbeKind
+from sidecar.probes.units import asks, plans_of
+from sidecar.runtime.engine import EngineClient
 from sidecar.runtime.health import Health
-from sidecar.runtime.requestplane.worker import DynamoWorker
+
+if TYPE_CHECKING:
+    from sidecar.runtime.grpcregistration import GrpcRegistration
+    from sidecar.runtime.requestplane.worker import DynamoWorker
 
 log = logging.getLogger("sidecar.monitor")
+
+
+@dataclass(frozen=True)
+class EngineParts:
+    """What the monitor reaches the engine with: the engine client (its own routes), one probe
+    per kind (:mod:`sidecar.probes.kinds`), and, where configured, the Dynamo worker or the
+    engine's gRPC health service, which then answer the registration check."""
+
+    client: EngineClient
+    probes: Mapping[ProbeKind, Probe]
+    worker: DynamoWorker | None = None
+    grpc_registration: GrpcRegistration | None = None
+
+
+@dataclass(frozen=True)
+class Routes:
+    """The engine's routes the monitor reads: its registration check, and its metrics
+    (SIDECAR_METRICS_PATH; None: each backend's own)."""
+
+    registration: str
+    metrics: str | None = None
+
+
+@dataclass(frozen=True)
+class Read:
+    """One read of the engine's metrics: its text (None, and why not), when it started and ended,
+    and the canaries sent before it ended and done before it began, per unit."""
+
+    text: str | None
+    why: str
+    started: float
+    at: float
+    wall: float
+    sent: Mapping[str, int] = field(default_factory=dict)
+    done: Mapping[str, int] = field(default_factory=dict)
+
+
+class Reads:
+    """The engine's metrics, read one route at a time: a caller that needs a read started since
+    some moment gets the last one, the one in flight, or a new one. So the periodic read and
+    every timed-out canary's read after it share, and the engine sees one read per interval
+    plus at most one for the canaries that timed out together."""
+
+    def __init__(
+        self,
+        client: EngineClient,
+        clock: Callable[[], float],
+        sent: Mapping[str, int],
+        done: Mapping[str, int],
+    ) -> None:
+        self.client = client
+        self.clock = clock
+        self._sent, self._done = sent, done
+        self._last: dict[str, Read] = {}
+        self._flight: dict[str, tuple[float, asyncio.Task[Read]]] = {}
+
+    async def since(self, path: str, since: float) -> Read:
+        """A read of ``path`` that started at or after ``since``."""
+        last = self._last.get(path)
+        if last is not None and last.started >= since:
+            return last
+        flight = self._flight.get(path)
+        if flight is not None:
+            started, task = flight
+            read = await asyncio.shield(task)
+            if started >= since:
+                return read
+            return await self.since(path, since)  # it began too early: read again
+        task = asyncio.create_task(self._read(path), name=f"read:{path}")
+        self._flight[path] = (self.clock(), task)
+        return await asyncio.shield(task)
+
+    async def _read(self, path: str) -> Read:
+        started = self.clock()
+        done = dict(self._done)  # finished before the read began
+        try:
+            text, why = await self.client.metrics_text(path)
+        finally:
+            del self._flight[path]
+        sent = dict(self._sent)  # started before the read ended
+        read = Read(text, why, started, self.clock(), time.time(), sent, done)
+        self._last[path] = read
+        return read
+
+    async def aclose(self) -> None:
+        tasks = [task for _, task in self._flight.values()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _read_by(plan: CanaryPlan, spec: ProgressSpec) -> tuple[Series, ...]:
@@ -94,36 +191,18 @@ class Monitor:
     def __init__(
         self,
         health: Health,
-        client: EngineClient,
-        registration_path: str,
-        registration_interval: float,
-        *,
-        watch_progress: bool = False,
-        metrics_path: str | None = None,
-        metrics_interval: float = 1.0,
-        discover_ranks: bool = False,
-        probes: Mapping[ProbeKind, Probe] | None = None,
-        probe_interval: float = 60.0,
-        worker: DynamoWorker | None = None,
-        grpc_registration: GrpcRegistration | None = None,
+        engine: EngineParts,
+        plans: Mapping[str, CanaryPlan],
+        timing: Timing,
+        routes: Routes,
     ) -> None:
+        """``plans``: each endpoint's plan (a rank's is its endpoint's, pinned)."""
         self.health = health
-        self.client = client
-        self.registration_path = registration_path
-        self.metrics_path = metrics_path
-        self.watch_progress = watch_progress
-        # One probe per kind (sidecar.probes.kinds); the HTTP canary by default.
-        self.probes: Mapping[ProbeKind, Probe] = probes or {ProbeKind.HTTP: HttpCanary(client)}
-        self.worker = worker
-        # SIDECAR_REGISTRATION: the engine's gRPC health service instead of its HTTP route.
-        self.grpc_registration = grpc_registration
-        self.discover_ranks = discover_ranks
-        self.timing = Timing(
-            registration=registration_interval,
-            metrics=metrics_interval if watch_progress else None,
-            transfer=probe_interval,
-        )
-        self._counted_for: int | None = None  # the incarnation whose ranks were counted
+        self.engine = engine
+        self.client = engine.client
+        self.plans = plans
+        self.timing = timing
+        self.routes = routes
         # The loop's own state: set by the one who changes the state, cleared by the loop.
         self._wake = asyncio.Event()
         self._running: dict[Work, asyncio.Task[None]] = {}
@@ -131,7 +210,15 @@ class Monitor:
         # Canaries sent, and finished, so far, per unit: each metrics read notes both.
         self._sent: dict[str, int] = {}
         self._done: dict[str, int] = {}
-        self._costs: dict[str, CanaryCost] = {}  # what one canary moves, per unit
+        self.reads = Reads(engine.client, health.clock, self._sent, self._done)
+
+    @property
+    def probes(self) -> Mapping[ProbeKind, Probe]:
+        return self.engine.probes
+
+    def unit_plans(self) -> dict[str, CanaryPlan]:
+        """Each unit's plan, in the snapshot's unit layout now."""
+        return plans_of(self.health.snapshot, self.plans)
 
     def observe(self, obs: Observation) -> None:
         """Hand an observation to the step, and wake the loop: what is due may have changed."""
@@ -145,10 +232,10 @@ class Monitor:
                 self._wake.clear()
                 self._reap()
                 now = self.health.clock()
-                probes = {unit: _probe_of(plan) for unit, plan in self.health.plans.items()}
-                timing = replace(self.timing, count_ranks=self._counting())
+                plans = self.unit_plans()
+                probes = {unit: _probe_of(plan) for unit, plan in plans.items()}
                 due = next_due(
-                    self.health.snapshot, probes, timing, self._started, self._running, now
+                    self.health.snapshot, probes, self.timing, self._started, self._running, now
                 )
                 waiting: list[float] = []
                 for work, at in sorted(due.items()):
@@ -166,10 +253,16 @@ class Monitor:
                 task.cancel()
             await asyncio.gather(*self._running.values(), return_exceptions=True)
             self._running.clear()
+            await self.reads.aclose()
 
     def _reap(self) -> None:
-        """Forget the work that ended; an unexpected error in it stops the monitor."""
+        """Forget the work that ended, and stop the work of units that are gone (the ranks were
+        counted anew): nothing writes to a unit that is gone. An unexpected error in any work
+        stops the monitor."""
+        units = self.health.snapshot.endpoints
         for work, task in list(self._running.items()):
+            if work.unit and work.unit not in units:
+                task.cancel()
             if task.done():
                 del self._running[work]
                 if not task.cancelled() and task.exception() is not None:
@@ -201,184 +294,91 @@ class Monitor:
         finally:
             self._wake.set()  # the loop looks again: this work is no longer in flight
 
-    # --- the work ---------------------------------------------------------------------------
-    def _incarnation(self) -> int:
-        """The engine's incarnation, as its canary units see it (they share registration)."""
-        snap = self.health.snapshot
-        return max(
-            (snap.endpoints[u].incarnation for u, p in self.health.plans.items() if p.enabled),
-            default=0,
-        )
-
-    def _counting(self) -> bool:
-        """SIDECAR_DP_RANKS=auto and this incarnation of the engine not counted yet."""
-        return self.discover_ranks and self._counted_for != self._incarnation()
+    # --- the engine's own routes ------------------------------------------------------------
+    def _metrics_path(self, plan: CanaryPlan) -> str:
+        return plan.progress_spec(self.routes.metrics).path
 
     async def _count_ranks(self, _: str) -> None:
-        """SIDECAR_DP_RANKS=auto: count the ranks in the engine's metrics, once per incarnation
-        (a restarted engine may have others); with more than one, each rank is a unit of its
-        own, with one, the engine is checked as one."""
-        incarnation = self._incarnation()
-        canaries = [p for p in self.health.plans.values() if p.probe.is_canary]
-        label = canaries[0].prober.rank_label
+        """SIDECAR_DP_RANKS=auto: the ranks the engine's in-flight gauges name, for the step."""
+        incarnation = self.health.snapshot.incarnation()
+        canary = next(p for p in self.plans.values() if p.probe.is_canary)
+        label = canary.prober.rank_label
         assert label is not None  # the configuration refuses auto without one
-        spec = replace(canaries[0], rank=None).progress_spec(self.metrics_path)
-        text, _why = await self.client.metrics_text(spec.path)
-        found = ranks_in(text, (*spec.running, *spec.waiting), label) if text else ()
-        if not found or incarnation != self._incarnation():
-            return  # not yet: the metrics do not name them, or the engine changed meanwhile
-        first = self._counted_for is None
-        self._counted_for = incarnation
-        per_endpoint = len(canaries) // len({p.endpoint for p in canaries})
-        had = per_endpoint if any(p.rank is not None for p in canaries) else 1
-        if first or len(found) != had:
-            log.info(
-                "the engine's metrics show %d data-parallel rank(s) (%s=%s)%s",
-                len(found),
-                label,
-                ",".join(map(str, found)),
-                "" if first else f"; it had {had} before it restarted",
-            )
-        if len(found) == had:
-            return
-        old = {p.unit for p in canaries}
-        self.health.set_ranks(len(found))
-        for work, task in list(self._running.items()):
-            if work.unit in old and work.unit not in self.health.plans:
-                task.cancel()  # nothing writes to a unit that is gone
-        self._costs.clear()
-        self._wake.set()
+        spec = canary.progress_spec(self.routes.metrics)
+        read = await self.reads.since(spec.path, self.health.clock() - self._slack())
+        found = ranks_in(read.text, (*spec.running, *spec.waiting), label) if read.text else ()
+        if found:  # not yet while the metrics do not name them
+            self.observe(RanksCounted(found, label, incarnation))
 
-    async def _transfer(self, unit: str) -> None:
-        probe = self.probes[ProbeKind.TRANSFER]
-        plan = self.health.plans[unit]
-        # Its registration check learns the served model, as a canary's does.
-        snap = self.health.snapshot
-        incarnation, model = snap.endpoints[unit].incarnation, snap.models[unit]
-        result = await probe(plan, plan.request(model, f"kv-probe-{uuid.uuid4()}"), model)
-        log.debug("%s: transfer probe %s: %s", unit, result.outcome, result.reason)
-        self.observe(CanaryDone(unit, result, incarnation))
+    def _slack(self) -> float:
+        """How long before now a read may have started and still count as now's: half a
+        metrics interval."""
+        return (self.timing.metrics or self.timing.registration) / 2
 
     async def _registration(self, _: str) -> None:
         """The engine's own health route, once per interval for all its units."""
-        if self.worker is not None:
-            await self._check_worker(self.worker)
+        if self.engine.worker is not None:
+            await self._check_worker(self.engine.worker)
         else:
             await self._check_registration()
-
-    def _needs_discovery(self, plan: CanaryPlan) -> bool:
-        return (
-            plan.enabled
-            and plan.override is None
-            and plan.prober.needs_model
-            and self.health.settings.model is None
-        )
 
     async def _check_worker(self, worker: DynamoWorker) -> None:
         check = await worker.check()
         health = check.engine_health
         instance = str(check.instance) if check.instance is not None else None
-        for unit in list(self.health.plans):
+        for unit in list(self.health.snapshot.endpoints):
             self.observe(Registered(unit, check.registration))
             self.observe(EngineHealthSaid(unit, health.status_code, health.status, health.detail))
             self.observe(DiscoverySaid(unit, check.listed, instance, worker.plane.where))
 
     async def _check_registration(self) -> None:
-        if self.grpc_registration is not None:
-            result = await self.grpc_registration()
+        grpc = self.engine.grpc_registration
+        result: Result
+        if grpc is not None:
+            result = await grpc()
         else:
-            result = await self.client.registration(self.registration_path)
-        units = list(self.health.plans)
-        if result.ok:
-            snap = self.health.snapshot
-            unknown = [
-                unit
-                for unit, plan in self.health.plans.items()
-                if self._needs_discovery(plan)
-                and (not snap.endpoints[unit].registration.registered or snap.models[unit] is None)
-            ]
-            model, why = (await self.client.served_model()) if unknown else (None, "")
-            units = [u for u in units if u in self.health.plans]  # ranks may be new
-            for unit in (u for u in unknown if u in self.health.plans):
-                self.observe(ModelServed(unit, model))
-                if model is None:  # registered, but not usable without the model's name
-                    units.remove(unit)
-                    unusable = Result(
-                        Outcome.ERROR,
-                        f"model not known: {why}",
-                        result.started,
-                        result.finished,
-                        result.wall_time,
-                    )
-                    self.observe(Registered(unit, unusable))
-        for unit in units:
+            result = await self.client.registration(self.routes.registration)
+        wanting = self.health.snapshot.wants_model() if result.ok else []
+        if wanting:
+            model, why = await self.client.served_model()
+            for unit in wanting:
+                if unit in self.health.snapshot.endpoints:
+                    self.observe(ModelServed(unit, model, why))
+        for unit in list(self.health.snapshot.endpoints):
             self.observe(Registered(unit, result))
-        await self._ask_sleep()
-        await self._ask_faults()
+        await self._ask_routes()
 
-    def _over_http(self, plan: CanaryPlan) -> bool:
-        return asks_engine_http(plan, over_grpc=self.grpc_registration is not None)
-
-    async def _ask_sleep(self) -> None:
-        """Ask the engine's sleep route once for every unit whose backend has one."""
-        snap = self.health.snapshot
-        asking: dict[str, list[str]] = {}
-        for unit, plan in self.health.plans.items():
-            path = plan.prober.sleep_path
-            ep = snap.endpoints[unit]
-            asked = ep.registration.registered and not ep.lifecycle.sleep_route_missing
-            if path and self._over_http(plan) and asked:
-                asking.setdefault(path, []).append(unit)
-        for path, units in asking.items():
+    async def _ask_routes(self) -> None:
+        """The routes the registration check brings: each asked once for its units."""
+        said = asks(
+            self.health.snapshot,
+            self.plans,
+            over_grpc=self.engine.grpc_registration is not None,
+        )
+        for path, units in said.sleep.items():
             sleeping, why, missing = await self.client.sleep_state(path)
-            for unit in (u for u in units if u in self.health.plans):
+            for unit in self._present(units):
                 self.observe(SleepSaid(unit, sleeping, why, gauge=False, missing=missing))
-
-    async def _ask_faults(self) -> None:
-        """Read the engine's fault-tolerance status (vLLM) once for every unit of a backend that
-        serves one, each told its own rank's report; a route that does not exist is not asked
-        again (this incarnation)."""
-        snap = self.health.snapshot
-        asking: dict[str, list[str]] = {}
-        for unit, plan in self.health.plans.items():
-            path = plan.prober.fault_path
-            ep = snap.endpoints[unit]
-            if (
-                path
-                and plan.probe.is_canary
-                and self._over_http(plan)
-                and ep.registration.registered
-                and not ep.faults.missing
-            ):
-                asking.setdefault(path, []).append(unit)
-        for path, units in asking.items():
+        for path, units in said.faults.items():
             answer = await self.client.get(path)
             if isinstance(answer, NoAnswer):
                 continue  # no word: the registration check and the canary see that engine
             reports, missing = read_status(answer.status, answer.body.decode(errors="replace"))
             if reports is None and not missing:
                 continue
-            for unit in (u for u in units if u in self.health.plans):
-                rank, report = report_for(reports or {}, self.health.plans[unit].rank)
+            for unit in self._present(units):
+                rank, report = report_for(reports or {}, self.health.snapshot.rank_of.get(unit))
                 self.observe(FaultsSaid(unit, rank, report, missing))
 
-    async def _read(self, unit: str, spec: ProgressSpec) -> ProgressSample | None:
-        """One unit's own read of the metrics, beside its canary (the baseline of a timeout)."""
-        done = self._done[unit]  # finished before the read began
-        text, _why = await self.client.metrics_text(spec.path)
-        if text is None:
-            return None
-        sent = self._sent[unit]  # started before the read ended
-        try:
-            return read_progress(text, spec, self.health.clock(), time.time(), (sent, done))
-        except MetricsUnreadable:
-            return None
+    def _present(self, units: tuple[str, ...]) -> list[str]:
+        """The units still in the layout (the ranks may have been counted anew meanwhile)."""
+        return [u for u in units if u in self.health.snapshot.endpoints]
 
     def _readers(self) -> dict[str, tuple[CanaryPlan, ProgressSpec]]:
         """The units that read the engine's metrics: those with a canary."""
         return {
-            unit: (plan, plan.progress_spec(self.metrics_path))
-            for unit, plan in self.health.plans.items()
+            unit: (plan, plan.progress_spec(self.routes.metrics))
+            for unit, plan in self.unit_plans().items()
             if plan.enabled and plan.probe is not ProbeKind.TRANSFER
         }
 
@@ -387,47 +387,65 @@ class Monitor:
         progress, its transfer counters, its sleep-state gauge."""
         readers = self._readers()
         for path in {spec.path for _, spec in readers.values()}:
-            await self._read_for(path, {n: r for n, r in readers.items() if r[1].path == path})
+            read = await self.reads.since(path, self.health.clock() - self._slack())
+            self._fan_out(path, read, {n: r for n, r in readers.items() if r[1].path == path})
 
-    def _cost(self, unit: str, plan: CanaryPlan) -> CanaryCost:
-        if unit not in self._costs:
-            self._costs[unit] = plan.cost(plan.request(None, "cost"))
-        return self._costs[unit]
-
-    async def _read_for(
-        self, path: str, readers: dict[str, tuple[CanaryPlan, ProgressSpec]]
+    def _fan_out(
+        self, path: str, read: Read, readers: dict[str, tuple[CanaryPlan, ProgressSpec]]
     ) -> None:
-        done = dict(self._done)  # finished before the read began
-        text, why = await self.client.metrics_text(path)
-        sent = dict(self._sent)  # started before the read ended
-        at, wall = self.health.clock(), time.time()
+        why = read.why
         parsed: Exposition | None = None
-        if text is not None:
+        if read.text is not None:
             wanted = [s for plan, spec in readers.values() for s in _read_by(plan, spec)]
             try:
-                parsed = Exposition.parse(text, names_of(wanted))
+                parsed = Exposition.parse(read.text, names_of(wanted))
             except MetricsUnreadable as exc:
                 why = f"GET {path}: {exc}"
         for unit, (plan, spec) in readers.items():
-            if unit not in self.health.plans:  # a unit gone while the engine answered
+            if unit not in self.health.snapshot.endpoints:  # a unit gone while it answered
                 continue
             sample = None
             if parsed is not None:
-                counted = (sent.get(unit, 0), done.get(unit, 0))
-                sample = read_progress(parsed, spec, at, wall, counted)
-            self.observe(ProgressRead(unit, sample, why, spec, self._cost(unit, plan)))
+                counted = (read.sent.get(unit, 0), read.done.get(unit, 0))
+                sample = read_progress(parsed, spec, read.at, read.wall, counted)
+            own = plan.cost(plan.request(None, "cost"))
+            self.observe(ProgressRead(unit, sample, why, spec, own))
             if parsed is not None and plan.transfers is not None:
-                self.observe(TransfersRead(unit, read_transfers(parsed, plan.transfers, at, wall)))
+                transfers = read_transfers(parsed, plan.transfers, read.at, read.wall)
+                self.observe(TransfersRead(unit, transfers))
             if parsed is not None and plan.awake:
                 sleeping, what = sleeping_in(parsed, plan.awake)
                 self.observe(SleepSaid(unit, sleeping, f"{path}: {what}", gauge=True))
 
-    async def _canary(self, unit: str) -> None:
-        plan = self.health.plans[unit]
-        policy = self.health.policy
-        spec = plan.progress_spec(self.metrics_path) if self.watch_progress else None
-        probe = self.probes[plan.probe]
+    # --- the probes -------------------------------------------------------------------------
+    async def _transfer(self, unit: str) -> None:
+        probe = self.probes[ProbeKind.TRANSFER]
+        plan = self.unit_plans()[unit]
+        # Its registration check learns the served model, as a canary's does.
         snap = self.health.snapshot
+        incarnation, model = snap.endpoints[unit].incarnation, snap.models[unit]
+        result = await probe(plan, plan.request(model, f"kv-probe-{uuid.uuid4()}"), model)
+        log.debug("%s: transfer probe %s: %s", unit, result.outcome, result.reason)
+        self.observe(CanaryDone(unit, result, incarnation))
+
+    async def _end_read(self, unit: str, spec: ProgressSpec, after: float) -> ProgressSample | None:
+        """The metrics after a canary timed out at ``after``: a read that started within half an
+        interval of it, shared by every unit whose canary timed out then."""
+        read = await self.reads.since(spec.path, after - self._slack())
+        if read.text is None:
+            return None
+        counted = (read.sent.get(unit, 0), read.done.get(unit, 0))
+        try:
+            return read_progress(read.text, spec, read.at, read.wall, counted)
+        except MetricsUnreadable:
+            return None
+
+    async def _canary(self, unit: str) -> None:
+        plan = self.unit_plans()[unit]
+        snap = self.health.snapshot
+        policy = snap.policy
+        watching = self.timing.metrics is not None
+        probe = self.probes[plan.probe]
         ep, model = snap.endpoints[unit], snap.models[unit]
         confirming = suspected(ep, policy, self.health.clock())
         request = plan.request(model, f"canary-{uuid.uuid4()}")
@@ -439,29 +457,20 @@ class Monitor:
         )
         self._sent[unit] = self._sent.get(unit, 0) + 1
         self._done.setdefault(unit, 0)
-        baseline = end = None
-        if spec is None:
-            result = await probe(plan, request, model)
-        else:
-            # The baseline read runs beside the canary, so it never delays it.
-            reading = asyncio.create_task(self._read(unit, spec), name=f"baseline:{unit}")
-            try:
-                result = await probe(plan, request, model)
-            except BaseException:
-                reading.cancel()
-                raise
-            baseline = await reading
-            # Only evidence about this canary: they count it in flight, so they do not go into
-            # the progress source (whose reads of the engine's own work they would skew).
-            if result.outcome is Outcome.TIMEOUT:
-                end = await self._read(unit, spec)
+        result = await probe(plan, request, model)
+        end = None
+        if watching and result.outcome is Outcome.TIMEOUT:
+            # Only evidence about this canary: the read counts it in flight, so it does not go
+            # into the progress source (whose reads of the engine's own work it would skew).
+            spec = plan.progress_spec(self.routes.metrics)
+            end = await self._end_read(unit, spec, result.finished)
         self._done[unit] += 1
+        # Its baseline is the engine-level read before it left (the progress source's latest).
         self.observe(
             CanaryDone(
                 unit,
                 result,
                 ep.incarnation,
-                baseline=baseline,
                 end=end,
                 cost=plan.cost(request),
                 suspected=confirming,

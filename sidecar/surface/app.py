@@ -14,15 +14,13 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from sidecar import __version__
-from sidecar.config import Settings
-from sidecar.runtime.health import Health
 from sidecar.surface.history import History
 from sidecar.surface.metrics import Metrics
 from sidecar.surface.report import health_body, live_body, sidecar_body
+from sidecar.surface.routes import HISTORY_PATH, METRICS_PATH, SIDECAR_LIVE_PATH, STATUS_PAGE_PATH
 from sidecar.surface.statuspage import history_body, page
+from sidecar.surface.view import About, HealthView
 
-SIDECAR_LIVE_PATH = "/sidecar/live"
-STATUS_PAGE_PATH, HISTORY_PATH = "/", "/debug/history"  # for people; not in the schema
 NO_STORE = {"Cache-Control": "no-store"}
 
 
@@ -50,7 +48,7 @@ def probe_route(
 
 
 def create_app(
-    settings: Settings, health: Health, metrics: Metrics, history: History | None = None
+    about: About, health: HealthView, metrics: Metrics, history: History | None = None
 ) -> FastAPI:
     app = FastAPI(
         title="health-sidecar",
@@ -78,7 +76,7 @@ def create_app(
     kept = history if history is not None else History()
 
     async def status_page() -> HTMLResponse:
-        text = page(settings, health.snapshot, kept, health.started, health.clock())
+        text = page(about, health.snapshot, kept, health.started, health.clock())
         return HTMLResponse(text, headers=NO_STORE)
 
     async def debug_history() -> JSONResponse:
@@ -87,7 +85,7 @@ def create_app(
 
     probe_route(
         app,
-        settings.health_path,
+        about.health_path,
         readiness,
         "Readiness",
         {
@@ -97,7 +95,7 @@ def create_app(
     )
     probe_route(
         app,
-        settings.live_path,
+        about.live_path,
         liveness,
         "Liveness",
         {
@@ -117,7 +115,7 @@ def create_app(
     )
     probe_route(
         app,
-        "/metrics",
+        METRICS_PATH,
         prometheus,
         "Prometheus metrics",
         {200: {"description": "Prometheus text exposition.", "content": {"text/plain": {}}}},

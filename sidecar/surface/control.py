@@ -27,10 +27,9 @@ from fastapi import Depends, FastAPI, HTTPException, Request
 from pydantic import BaseModel, Field, field_validator
 
 from sidecar import __version__
-from sidecar.config import Settings
 from sidecar.core.observations import MaintenanceDeclared, MaintenanceOver, Observation
-from sidecar.runtime.health import Health
 from sidecar.surface.report import maintenance_body
+from sidecar.surface.view import ControlConfig, HealthView
 
 CONTROL_HOST = "127.0.0.1"
 _PRINTABLE = re.compile(r"[^\x00-\x1f\x7f]+")
@@ -53,14 +52,14 @@ class Window(BaseModel):
         return value
 
 
-def _window(health: Health) -> dict[str, Any]:
+def _window(health: HealthView) -> dict[str, Any]:
     """The declared window (every endpoint has the same one), as /health shows it."""
     windows = (ep.lifecycle.maintenance for ep in health.snapshot.endpoints.values())
     window = next((w for w in windows if w is not None), None)
     return {"maintenance": maintenance_body(window, health.clock())}
 
 
-def create_control_app(settings: Settings, health: Health, submit: Submit) -> FastAPI:
+def create_control_app(control: ControlConfig, health: HealthView, submit: Submit) -> FastAPI:
     app = FastAPI(
         title="health-sidecar control",
         version=__version__,
@@ -68,7 +67,7 @@ def create_control_app(settings: Settings, health: Health, submit: Submit) -> Fa
         redoc_url=None,
         openapi_url=None,
     )
-    token = settings.control_token.get_secret_value() if settings.control_token else None
+    token = control.token
 
     def authorized(request: Request) -> None:
         if token is None:
@@ -90,11 +89,11 @@ def create_control_app(settings: Settings, health: Health, submit: Submit) -> Fa
 
     @app.put("/maintenance", dependencies=guard)
     async def put_window(window: Window) -> dict[str, Any]:
-        if window.seconds > settings.maintenance_max:
+        if window.seconds > control.maintenance_max:
             raise HTTPException(
                 422,
                 f"seconds {window.seconds:g}: longer than SIDECAR_MAINTENANCE_MAX "
-                f"({settings.maintenance_max:g})",
+                f"({control.maintenance_max:g})",
             )
         await submit(MaintenanceDeclared(window.reason, window.seconds, time.time()))
         return _window(health)

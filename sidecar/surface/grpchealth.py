@@ -40,16 +40,18 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import OVERALL_HEALTH, HealthServicer
 
-from sidecar.config import StartingStatus
 from sidecar.core.events import Event
-from sidecar.runtime.health import Health, Snapshot, liveness_of, readiness_of
+from sidecar.core.snapshot import Snapshot, liveness_of, readiness_of
+from sidecar.core.verdict import StartingStatus
+from sidecar.surface.grpcnames import LIVENESS, READINESS
+from sidecar.surface.view import HealthView
 
 log = logging.getLogger("sidecar.grpc")
 
 Status = health_pb2.HealthCheckResponse.ServingStatus
 SERVING: Status = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING: Status = health_pb2.HealthCheckResponse.NOT_SERVING
-OVERALL, READINESS, LIVENESS = OVERALL_HEALTH, "readiness", "liveness"
+OVERALL = OVERALL_HEALTH
 
 CHECK_THREADS = 4  # Checks are answered from memory
 WATCH_THREADS = 16  # Watch streams served at once
@@ -109,11 +111,9 @@ class _Servicer(HealthServicer):
 
 class GrpcHealth:
     """The gRPC health server. ``Sidecar`` runs it as it runs uvicorn's: ``serve`` until
-    ``should_exit`` is set; ``started`` once it listens.
+    ``should_exit`` is set; ``started`` once it listens."""
 
-    Subscribes to ``health`` at once, so that no change is missed between now and ``serve``."""
-
-    def __init__(self, health: Health, host: str, port: int, grace: float = GRACE) -> None:
+    def __init__(self, health: HealthView, host: str, port: int, grace: float = GRACE) -> None:
         self.health = health
         self.address = address(host, port)
         self.grace = grace
@@ -124,7 +124,6 @@ class GrpcHealth:
         self._watchers = futures.ThreadPoolExecutor(WATCH_THREADS, thread_name_prefix="grpc-watch")
         self.servicer = _Servicer(self.refresh, self._watchers)
         self.refresh()
-        health.listeners.append(self._on_event)
 
     @property
     def should_exit(self) -> bool:
@@ -136,8 +135,9 @@ class GrpcHealth:
         if value:
             self._exit.set()
 
-    def _on_event(self, _event: Event) -> None:
-        """Health's subscriber (the monitor's thread): every event follows a new snapshot."""
+    def on_event(self, _event: Event) -> None:
+        """Health's subscriber (the monitor's thread): every event follows a new snapshot. Subscribe
+        it at once, so that no change is missed between now and ``serve``."""
         self.refresh()
 
     def refresh(self) -> None:

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from sidecar.core.events import Event, Kind
 from sidecar.core.evidence.result import Result
 from sidecar.redact import redact
-from sidecar.runtime.health import Health
 
 SUCCESSES = 100
 FAILURES = 100
@@ -118,23 +117,19 @@ class History:
         with self._lock:
             self._changes.append(entry)
 
-    def listen(self, health: Health) -> None:
-        """Record ``health``'s canaries and verdict changes from now on (its events)."""
-
-        def on_event(event: Event) -> None:
-            if event.kind is Kind.CANARY and event.unit and event.result is not None:
-                self.add_canary(event.unit, event.result)
-            elif event.kind is Kind.VERDICT and event.unit and event.label:
-                self.add_change("endpoint", event.unit, event.label, event.reason)
-            elif event.kind is Kind.READINESS and event.readiness is not None:
-                r = event.readiness
-                self.add_change("worker", "readiness", "ready" if r.ready else "notready",
-                                r.reason, r.rule.value)  # fmt: skip
-            elif event.kind is Kind.LIVENESS and event.liveness is not None:
-                lv = event.liveness
-                self.add_change("worker", "liveness", "live" if lv.live else "notlive", lv.reason)
-
-        health.listeners.append(on_event)
+    def on_event(self, event: Event) -> None:
+        """Health's subscriber: record its canaries and verdict changes."""
+        if event.kind is Kind.CANARY and event.unit and event.result is not None:
+            self.add_canary(event.unit, event.result)
+        elif event.kind is Kind.VERDICT and event.unit and event.label:
+            self.add_change("endpoint", event.unit, event.label, event.reason)
+        elif event.kind is Kind.READINESS and event.readiness is not None:
+            r = event.readiness
+            self.add_change("worker", "readiness", "ready" if r.ready else "notready",
+                            r.reason, r.rule.value)  # fmt: skip
+        elif event.kind is Kind.LIVENESS and event.liveness is not None:
+            lv = event.liveness
+            self.add_change("worker", "liveness", "live" if lv.live else "notlive", lv.reason)
 
     # --- reader: any thread ----------------------------------------------------------------------
     def view(self) -> View:

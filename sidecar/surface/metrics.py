@@ -29,7 +29,6 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoM
 from prometheus_client.registry import Collector
 
 from sidecar import __version__
-from sidecar.config import Settings
 from sidecar.core.endpoint import EndpointState
 from sidecar.core.events import Event
 from sidecar.core.events import Kind as EventKind
@@ -37,7 +36,7 @@ from sidecar.core.evidence.faults import FAILED, PAUSED
 from sidecar.core.evidence.result import Outcome
 from sidecar.core.snapshot import Snapshot, liveness_of, readiness_of
 from sidecar.core.verdict import clocks, engine_disagrees
-from sidecar.runtime.health import Health
+from sidecar.surface.view import About, HealthView
 
 PREFIX = "health_sidecar"
 
@@ -64,7 +63,7 @@ class Scrape:
 
     snap: Snapshot
     now: float  # monotonic
-    settings: Settings
+    about: About
     loops: list[asyncio.AbstractEventLoop]  # the event loops besides the HTTP server's
 
 
@@ -121,14 +120,8 @@ def _task_count(loops: list[asyncio.AbstractEventLoop]) -> float:
 
 def _build(s: Scrape) -> Samples:
     """What runs, as label values in the order of the row's labels."""
-    settings = s.settings
-    values = (
-        __version__,
-        settings.backend.value,
-        settings.disaggregation_mode.value,
-        str(settings.health_check_enabled).lower(),
-        settings.transport.value,
-    )
+    about = s.about
+    values = (__version__, about.backend, about.mode, str(about.canaries).lower(), about.transport)
     return ((values, 1.0),)
 
 
@@ -335,7 +328,7 @@ ROWS: tuple[WorkerRow | EndpointRow | UnitRow, ...] = (
         "gauge",
         "SIDECAR_LIVENESS_WINDOW: how long a liveness clock may run before /live fails.",
         (),
-        lambda s: sample(s.settings.liveness_window),
+        lambda s: sample(s.snap.policy.liveness_window),
     ),
     WorkerRow(
         "draining",
@@ -390,17 +383,23 @@ def collect(scrape: Scrape) -> Iterator[Family]:
 class _VerdictCollector(Collector):
     """The scrape-time families, from the snapshot current when Prometheus scrapes."""
 
-    def __init__(self, health: Health, loops: list[asyncio.AbstractEventLoop]) -> None:
+    def __init__(
+        self, health: HealthView, about: About, loops: list[asyncio.AbstractEventLoop]
+    ) -> None:
         self.health = health
+        self.about = about
         self.loops = loops
 
     def collect(self) -> Iterator[Family]:
         health = self.health
-        return collect(Scrape(health.snapshot, health.clock(), health.settings, self.loops))
+        return collect(Scrape(health.snapshot, health.clock(), self.about, self.loops))
 
 
 class Metrics:
-    def __init__(self, health: Health) -> None:
+    """The sidecar's own metrics: counters that follow Health's events (:meth:`on_event`, its
+    subscriber) and the families read from each snapshot when Prometheus scrapes."""
+
+    def __init__(self, health: HealthView, about: About) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.canaries = Counter(
             f"{PREFIX}_canary",
@@ -437,10 +436,9 @@ class Metrics:
             self.latency.labels(name)
         # Event loops besides the HTTP server's whose tasks count in health_sidecar_asyncio_tasks.
         self.loops: list[asyncio.AbstractEventLoop] = []
-        self.registry.register(_VerdictCollector(health, self.loops))
-        health.listeners.append(self._on_event)
+        self.registry.register(_VerdictCollector(health, about, self.loops))
 
-    def _on_event(self, event: Event) -> None:
+    def on_event(self, event: Event) -> None:
         """The counters that follow Health's events: canaries, transitions, disagreements."""
         unit = event.unit or ""
         if event.kind is EventKind.CANARY and event.result is not None:

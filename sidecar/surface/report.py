@@ -9,12 +9,17 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from sidecar.config import StartingStatus
 from sidecar.core.endpoint import EndpointState, parked, suspected
 from sidecar.core.evidence.lifecycle import Maintenance
 from sidecar.core.evidence.transfers import WINDOW
 from sidecar.core.snapshot import Snapshot, liveness_of, readiness_of
-from sidecar.core.verdict import HEARTBEAT_STALE, RULE_TEXT, engine_disagrees, engine_undersells
+from sidecar.core.verdict import (
+    HEARTBEAT_STALE,
+    RULE_TEXT,
+    StartingStatus,
+    engine_disagrees,
+    engine_undersells,
+)
 
 
 def iso(wall: float) -> str:

@@ -14,10 +14,10 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from sidecar import __version__
-from sidecar.config import Settings
 from sidecar.core.snapshot import Snapshot
 from sidecar.surface.history import Canary, Change, History, View, scrub
 from sidecar.surface.report import health_body, iso, live_body
+from sidecar.surface.view import About
 
 # The chart's geometry, in SVG user units.
 WIDTH, HEIGHT = 760, 190
@@ -164,7 +164,7 @@ def _change_rows(changes: Sequence[Change]) -> list[str]:
 
 
 def render(
-    settings: Settings, snap: Snapshot, view: View, started: float, now: float, wall: float
+    about: About, snap: Snapshot, view: View, started: float, now: float, wall: float
 ) -> str:
     """The whole page, from one snapshot and one history view."""
     limits = view.limits
@@ -208,7 +208,7 @@ def render(
     )
     links = " · ".join(
         f'<a href="{_e(path)}">{_e(path)}</a>'
-        for path in (settings.health_path, settings.live_path, "/metrics", "/debug/history")
+        for path in (about.health_path, about.live_path, "/metrics", "/debug/history")
     )
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8">
@@ -217,16 +217,16 @@ def render(
 <style>{CSS}</style></head>
 <body>
 <h1>health-sidecar <span class="muted">{_e(__version__)}</span></h1>
-<p class="muted">{_e(settings.backend.value)}, {_e(settings.disaggregation_mode.value)};
-engine <code>{_e(settings.engine_url)}</code>; page rendered {_e(iso(wall))}</p>
+<p class="muted">{_e(about.backend)}, {_e(about.mode)};
+engine <code>{_e(about.engine_url)}</code>; page rendered {_e(iso(wall))}</p>
 <h2>Worker</h2>
 <p class="verdict">Readiness: <strong id="readiness" class="{_e(status)}">{_e(status)}</strong>
-<span class="muted">(HTTP {200 if ready else 503} on {_e(settings.health_path)})</span></p>
+<span class="muted">(HTTP {200 if ready else 503} on {_e(about.health_path)})</span></p>
 <p>Rule <code id="rule">{_e(body["rule"])}</code>: {_e(body["rule_text"])}</p>
 <p>Reason: <span id="reason">{_e(body["reason"])}</span></p>
 <p class="verdict">Liveness:
 <strong id="liveness" class="{_e(live_status)}">{_e(live_status)}</strong>
-<span class="muted">(HTTP {200 if live else 503} on {_e(settings.live_path)})</span></p>
+<span class="muted">(HTTP {200 if live else 503} on {_e(about.live_path)})</span></p>
 <p>Reason: <span id="live-reason">{_e(lbody["reason"])}</span></p>
 <h2>Endpoints</h2>
 {endpoints}
@@ -293,5 +293,5 @@ def history_body(snap: Snapshot, history: History, started: float, now: float) -
     }
 
 
-def page(settings: Settings, snap: Snapshot, history: History, started: float, now: float) -> str:
-    return render(settings, snap, history.view(), started, now, time.time())
+def page(about: About, snap: Snapshot, history: History, started: float, now: float) -> str:
+    return render(about, snap, history.view(), started, now, time.time())

@@ -95,11 +95,17 @@ def main(argv: list[str] | None = None) -> int:
             print(f"health-sidecar: {exc}", file=sys.stderr)
             return EXIT_CONFIG
         return 0
+    from sidecar.wiring import missing_for, run
+
+    missing = missing_for(
+        settings
+    )  # what is installed here: checked at start, never in --check-config
+    if missing is not None:
+        print(f"health-sidecar: cannot start: {missing}", file=sys.stderr)
+        return EXIT_CONFIG
     _configure_logging(settings)
     if demo:
         from sidecar.tools.demo import run as run_demo
 
         return run_demo(settings)
-    from sidecar.runtime.server import run
-
     return run(settings)

@@ -69,29 +69,31 @@ def _fake_engine(backend: str, mode: str) -> Iterator[str]:
             "health-sidecar demo: no engine answers and the fake engine is not installed "
             "(pip install -e . from a clone has it)"
         )
-    port_file = Path(tempfile.mkdtemp(prefix="health-sidecar-demo-")) / "port"
-    argv = [sys.executable, "-m", "fakeengine", "--backend", backend, "--mode", mode]
-    argv += ["--host", LOOPBACK, "--port", "0", "--port-file", str(port_file)]
-    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 15
-        while not port_file.exists():
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit("health-sidecar demo: the fake engine did not start")
-            time.sleep(0.05)
-        yield f"http://{LOOPBACK}:{port_file.read_text().strip()}"
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
+    # The port file's folder goes with the fake engine: removed once the engine has ended.
+    with tempfile.TemporaryDirectory(prefix="health-sidecar-demo-") as folder:
+        port_file = Path(folder) / "port"
+        argv = [sys.executable, "-m", "fakeengine", "--backend", backend, "--mode", mode]
+        argv += ["--host", LOOPBACK, "--port", "0", "--port-file", str(port_file)]
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, start_new_session=True)
         try:
-            proc.wait(5)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            deadline = time.monotonic() + 15
+            while not port_file.exists():
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise SystemExit("health-sidecar demo: the fake engine did not start")
+                time.sleep(0.05)
+            yield f"http://{LOOPBACK}:{port_file.read_text().strip()}"
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(5)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
 
 
 def run(settings: Settings) -> int:
-    from sidecar.runtime.server import run as serve
+    from sidecar.wiring import run as serve
 
     base = f"http://{settings.system_host}:{settings.system_port}"
     with contextlib.ExitStack() as stack:

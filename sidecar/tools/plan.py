@@ -7,10 +7,9 @@ import json
 from typing import Any
 
 from sidecar.config import DiscoveryBackend, Settings, Transport
+from sidecar.core.endpoint import asks_engine_http
 from sidecar.core.verdict import RULE_TEXT, Rule
 from sidecar.probes import CanaryPlan, plan_canary
-from sidecar.runtime.grpcregistration import asks_engine_http
-from sidecar.runtime.health import policy_from
 
 MODEL_PLACEHOLDER = "<served model, from GET /v1/models>"
 
@@ -49,7 +48,7 @@ def _progress_lines(plan: CanaryPlan, s: Settings) -> list[str]:
         return [f"progress       engine metrics not read ({why})"]
     spec = plan.prober.progress
     path = s.metrics_path or spec.path
-    policy = policy_from(s)
+    policy = s.policy()
     counters = ", ".join(
         f"{category} {' | '.join(map(str, names))}" for category, names in spec.counters.items()
     )
@@ -107,7 +106,7 @@ _NO_HTTP = "registered over gRPC without a canary: the engine may serve no HTTP"
 
 
 def _over_http(plan: CanaryPlan, s: Settings) -> bool:
-    return asks_engine_http(plan, over_grpc=s.grpc_registration is not None)
+    return asks_engine_http(plan.enabled, over_grpc=s.grpc_registration is not None)
 
 
 def _faults_line(plan: CanaryPlan, s: Settings) -> str:
@@ -208,7 +207,7 @@ def _dynamo_lines(plan: CanaryPlan, s: Settings) -> list[str]:
 
 def render(settings: Settings) -> str:
     """What ``--check-config`` prints: what the sidecar will do with this configuration."""
-    plan = plan_canary(settings)
+    plan = plan_canary(settings.canary_config())
     s = settings
     lines = [
         "health-sidecar: configuration is valid",

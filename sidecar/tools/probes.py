@@ -34,8 +34,7 @@ import yaml
 
 from sidecar.config import DiscoveryBackend, Settings, Transport
 from sidecar.probes import plan_canary
-from sidecar.runtime.health import policy_from
-from sidecar.surface.grpchealth import LIVENESS, READINESS
+from sidecar.surface.grpcnames import LIVENESS, READINESS
 
 READINESS_TARGET_SECONDS = 30.0
 """A hung engine leaves rotation within this many seconds (when the settings allow it)."""
@@ -99,7 +98,7 @@ def size(settings: Settings, max_load_seconds: float) -> Sizing:
     if not math.isfinite(max_load_seconds) or max_load_seconds <= 0:
         raise ValueError(f"--max-load-seconds must be a number > 0, not {max_load_seconds!r}")
     s = settings
-    canary = plan_canary(s).enabled
+    canary = plan_canary(s.canary_config()).enabled
     retry, timeout = s.retry_interval, s.request_timeout
     if canary:
         # Registration check, model discovery, then success_threshold canaries (each started
@@ -110,7 +109,7 @@ def size(settings: Settings, max_load_seconds: float) -> Sizing:
             + s.success_threshold * timeout
             + (s.success_threshold - 1) * retry
         )
-        policy = policy_from(s)  # the timing formulas: sidecar/core/evidence/policy.py
+        policy = s.policy()  # the timing formulas: sidecar/core/evidence/policy.py
         hang_to_notready = policy.hang_to_notready
         hang_to_notlive = policy.hang_to_notlive
         # With work in flight, quiet counters raise a suspicion that one canary confirms.

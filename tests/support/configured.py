@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 
 import pytest
 
 from sidecar.config import Settings, load_settings
+from sidecar.runtime.health import Health
+from sidecar.wiring import health_for, plans_for
 from tests.support.harness import ROOT, base_env
 
 
@@ -19,6 +23,11 @@ def settings_from(monkeypatch: pytest.MonkeyPatch, **env: str) -> Settings:
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     return load_settings()
+
+
+def health_of(settings: Settings, clock: Callable[[], float] = time.monotonic) -> Health:
+    """The state's writer the sidecar starts with for these settings (sidecar.wiring)."""
+    return health_for(settings, plans_for(settings), clock)
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

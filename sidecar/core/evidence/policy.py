@@ -1,8 +1,43 @@
-"""Thresholds and timings the sources follow, derived once from the settings."""
+"""Thresholds and timings the sources follow, derived once from the settings; and the bounds they
+make, each a sum of named terms, so that whatever prints a bound prints how it is made from the
+same code (``health-sidecar probes``, ``--check-config``, the docs)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Term:
+    """One term of a bound: ``seconds``, ``times`` over (None: once, shown without a count), and
+    what it is."""
+
+    seconds: float
+    what: str = ""
+    times: int | None = None
+
+    @property
+    def total(self) -> float:
+        return self.seconds * (1 if self.times is None else self.times)
+
+    def __str__(self) -> str:
+        text = f"{self.seconds:g} s" if self.times is None else f"{self.times} x {self.seconds:g} s"
+        return f"{text} {self.what}" if self.what else text
+
+
+@dataclass(frozen=True)
+class Sum:
+    """A bound as the sum of its terms; ``str`` says the terms, ``seconds`` their total."""
+
+    terms: tuple[Term, ...]
+
+    @property
+    def seconds(self) -> float:
+        return sum(t.total for t in self.terms)
+
+    def __str__(self) -> str:
+        """The terms that count (none taken zero times), joined by +."""
+        return " + ".join(str(t) for t in self.terms if t.times != 0)
 
 
 @dataclass(frozen=True)
@@ -15,6 +50,7 @@ class Policy:
     liveness_window: float = 120.0
     stall_window: float = 5.0  # counters stopping under load -> notready, at most this long
     metrics_interval: float = 1.0
+    registration_interval: float = 1.0  # seconds between checks of the engine's health route
     check_answer: bool = False  # a passed canary must give this incarnation's first answer
 
     @property
@@ -27,26 +63,89 @@ class Policy:
             self.metrics_interval / 2, self.stall_window - self.timeout - self.metrics_interval
         )
 
-    @property
-    def stall_bound(self) -> float:
-        """The longest time from counters stopping under load to notready ("stalled")."""
-        return self.metrics_interval + self.suspect_after + self.timeout
+    def to_stalled(self) -> Sum:
+        """From counters stopping under load to notready ("stalled"), at the longest: one
+        metrics interval before a read last shows them move, the quiet spell that raises the
+        suspicion, then the confirming canary's timeout."""
+        return Sum(
+            (
+                Term(self.metrics_interval, "metrics interval"),
+                Term(self.suspect_after, "quiet"),
+                Term(self.timeout, "timeout"),
+            )
+        )
 
-    @property
-    def hang_to_notready(self) -> float:
-        """The longest time from a hang to notready, with a canary: after the last passed canary
+    def to_ready(self, canary: bool = True) -> Sum:
+        """From the engine up to ready, at the longest: a registration interval and its check's
+        timeout; with a canary, also the model lookup and ``success_threshold`` canaries, each
+        started ``retry`` after the previous ended."""
+        first = (
+            Term(self.registration_interval, "registration interval"),
+            Term(self.timeout, "registration check"),
+        )
+        if not canary:
+            return Sum(first)
+        return Sum(
+            (
+                *first,
+                Term(self.timeout, "model lookup"),
+                Term(self.timeout, "canary", self.success_threshold),
+                Term(self.retry, "retry", self.success_threshold - 1),
+            )
+        )
+
+    def to_notready(self, canary: bool = True) -> Sum:
+        """From a hang to notready, at the longest. With a canary: after the last passed canary
         the next is due ``wait`` later (the monitor wakes at most ``retry`` late), then
-        ``failure_threshold`` canaries time out, started ``max(retry, timeout)`` apart."""
-        return (
-            self.wait
-            + self.retry
-            + (self.failure_threshold - 1) * max(self.retry, self.timeout)
-            + self.timeout
+        ``failure_threshold`` canaries time out, started ``max(retry, timeout)`` apart. Without:
+        the registration check's interval and timeout (a hang behind a 200 health route is not
+        seen at all)."""
+        if not canary:
+            return Sum(
+                (
+                    Term(self.registration_interval, "registration interval"),
+                    Term(self.timeout, "timeout"),
+                )
+            )
+        return Sum(
+            (
+                Term(self.wait, "wait"),
+                Term(self.retry, "retry"),
+                Term(max(self.retry, self.timeout), "", self.failure_threshold - 1),
+                Term(self.timeout, "timeout"),
+            )
+        )
+
+    def to_notlive(self, canary: bool = True) -> Sum:
+        """From a hang to /live failing, at the longest: the hard-failure clock starts with the
+        first failed canary, at most ``wait + retry`` after the hang began (without a canary,
+        with the first timed-out registration check), and runs ``liveness_window``."""
+        if not canary:
+            return Sum(
+                (
+                    Term(self.registration_interval, "registration interval"),
+                    Term(self.liveness_window, "window"),
+                )
+            )
+        return Sum(
+            (
+                Term(self.wait, "wait"),
+                Term(self.retry, "retry"),
+                Term(self.liveness_window, "window"),
+            )
         )
 
     @property
+    def stall_bound(self) -> float:
+        """The longest time from counters stopping under load to notready ("stalled")."""
+        return self.to_stalled().seconds
+
+    @property
+    def hang_to_notready(self) -> float:
+        """The longest time from a hang to notready, with a canary (:meth:`to_notready`)."""
+        return self.to_notready().seconds
+
+    @property
     def hang_to_notlive(self) -> float:
-        """The longest time from a hang to /live failing, with a canary: the hard-failure clock
-        starts with the first failed canary, at most ``wait + retry`` after the hang began, and
-        runs ``liveness_window``."""
-        return self.wait + self.retry + self.liveness_window
+        """The longest time from a hang to /live failing, with a canary (:meth:`to_notlive`)."""
+        return self.to_notlive().seconds

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from sidecar.config import Transport
 from sidecar.core.evidence.progress import COMPLETED, GENERATION, CanaryCost, ProgressSpec, Series
 from sidecar.probes.base import PROMPT_TOKEN_IDS, Prober, Role
+from sidecar.probes.role import Transport
 
 # dynamo._core.backend.HEALTH_CHECK_KEY: the marker Dynamo's handlers look for. TensorRT-LLM's
 # decode handler runs a request locally only when it carries the marker and disaggregated_params;

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from sidecar.config import Backend, Mode
 from sidecar.probes.base import PROMPT_TOKEN_IDS, Role
 from sidecar.probes.dynamo.base import HEALTH_CHECK_KEY, DynamoProber, greedy_stop
+from sidecar.probes.role import Backend, Mode
 from sidecar.probes.trtllm import LOCAL_PREFILL_AND_DECODE
 
 DISAGGREGATED = (Mode.PREFILL, Mode.DECODE)

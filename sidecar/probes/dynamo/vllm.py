@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from sidecar.config import Backend, Mode
 from sidecar.probes.base import PROMPT_TOKEN_IDS, Role
 from sidecar.probes.dynamo.base import HEALTH_CHECK_KEY, DynamoProber, greedy_stop
+from sidecar.probes.role import Backend, Mode
 from sidecar.probes.vllm import VllmProber
 
 

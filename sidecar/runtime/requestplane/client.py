@@ -15,7 +15,8 @@ It never goes through a frontend or a router: ``direct`` names the instance.
   stream timeout of its own). On timeout, or when the sidecar stops, the canary is stopped on the
   worker (``Context.stop_generating()``, which reaches it within milliseconds): timed-out canaries
   never pile up there. The monitor sends one canary at a time.
-- Nothing here raises to the caller: every failure is a Result with its reason.
+- Nothing here raises to the caller, or judges: what came back (the chunks, the error event, or
+  why nothing came) goes to the probe (``sidecar/probes/dynamo/canary.py``), which judges it.
 """
 
 from __future__ import annotations
@@ -31,10 +32,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from sidecar.config import DiscoveryBackend, Settings
-from sidecar.core.evidence.result import Outcome, Result
-from sidecar.probes import CanaryPlan, CanaryRequest
+from sidecar.core.evidence.result import Outcome
+from sidecar.probes.base import CanaryRequest
+from sidecar.probes.exchange import NoAnswer, Received, Streamed
 from sidecar.runtime.requestplane.identity import Instance
+from sidecar.runtime.requestplane.settings import DiscoveryBackend, PlaneConfig
 
 # More chunks than a canary of a few tokens can need: a worker streaming on and on is broken.
 MAX_CHUNKS = 256
@@ -93,16 +95,16 @@ class RequestPlane:
 
     def __init__(
         self,
-        settings: Settings,
+        config: PlaneConfig,
         *,
         timeout: float,
         clock: Callable[[], float] = time.monotonic,
         private_dir: str | None = None,
     ) -> None:
-        self.settings = settings
+        self.config = config
         self.timeout = timeout
         self.clock = clock
-        self.local = settings.discovery_backend is DiscoveryBackend.KUBERNETES
+        self.local = config.discovery is DiscoveryBackend.KUBERNETES
         # Kubernetes: the private file-discovery directory (created by the caller, who sets the
         # runtime's DYN_FILE_KV to it before the runtime starts).
         self.private_dir = Path(private_dir) if private_dir else None
@@ -113,9 +115,9 @@ class RequestPlane:
     @property
     def where(self) -> str:
         """The discovery the client reads, for reasons."""
-        backend = self.settings.discovery_backend
+        backend = self.config.discovery
         if backend is DiscoveryBackend.FILE:
-            return f"file discovery ({self.settings.file_kv})"
+            return f"file discovery ({self.config.file_kv})"
         if self.local:
             return "the sidecar's own copy of the worker's /metadata record"
         return str(backend)
@@ -124,9 +126,9 @@ class RequestPlane:
         """Create the runtime (the environment is already the client's: environment.apply)."""
         from dynamo.runtime import DistributedRuntime
 
-        backend = "file" if self.local else self.settings.discovery_backend.value
+        backend = "file" if self.local else self.config.discovery.value
         self._runtime = DistributedRuntime(
-            asyncio.get_running_loop(), backend, self.settings.request_plane.value
+            asyncio.get_running_loop(), backend, self.config.plane.value
         )
 
     async def aclose(self) -> None:
@@ -182,29 +184,20 @@ class RequestPlane:
             await client.wait_for_instances()
         return instance.instance_id in client.instance_ids()
 
-    async def canary(self, plan: CanaryPlan, request: CanaryRequest, instance: Instance) -> Result:
-        """Send one canary to the instance and judge its whole answer."""
+    async def send(self, request: CanaryRequest, instance: Instance, deadline: float) -> Received:
+        """Send one canary to the instance and collect its whole stream within ``deadline``; on
+        the deadline, an error event, too long a stream or any failure, stop it on the worker."""
         from dynamo.runtime import Context
 
         started = self.clock()
 
-        def result(outcome: Outcome, reason: str, *, answer: str | None = None) -> Result:
-            return Result(
-                outcome,
-                reason,
-                started,
-                self.clock(),
-                time.time(),
-                request.request_id,
-                answer=answer,
-                rejection=rejected,
-            )
+        def received(answer: Streamed | NoAnswer) -> Received:
+            return Received(answer, started, self.clock(), time.time())
 
-        rejected = False
         context = Context(id=request.request_id)
         chunks: list[Any] = []
         try:
-            async with asyncio.timeout(self.timeout):
+            async with asyncio.timeout(deadline):
                 client = await self._client(instance.path)
                 stream = await client.direct(
                     request.body, instance.instance_id, annotated=True, context=context
@@ -212,19 +205,20 @@ class RequestPlane:
                 async for chunk in stream:
                     if chunk.is_error():
                         context.stop_generating()
-                        rejected = True
                         said = " ".join(chunk.comments() or []) or "an error event"
-                        return result(Outcome.ERROR, f"worker error: {said}")
+                        return received(Streamed(tuple(chunks), error=said))
                     chunks.append(chunk.data())
                     if len(chunks) > MAX_CHUNKS:
                         context.stop_generating()
-                        return result(Outcome.INVALID, f"more than {MAX_CHUNKS} chunks")
+                        return received(NoAnswer(Outcome.INVALID, f"more than {MAX_CHUNKS} chunks"))
         except TimeoutError:
             context.stop_generating()
-            return result(
-                Outcome.TIMEOUT,
-                f"no complete answer within {self.timeout:g} s ({len(chunks)} chunk(s) arrived); "
-                "stopped on the worker",
+            return received(
+                NoAnswer(
+                    Outcome.TIMEOUT,
+                    f"no complete answer within {deadline:g} s ({len(chunks)} chunk(s) "
+                    "arrived); stopped on the worker",
+                )
             )
         except asyncio.CancelledError:
             context.stop_generating()
@@ -232,12 +226,5 @@ class RequestPlane:
         except Exception as exc:  # the runtime raises plain Exceptions too
             context.stop_generating()
             outcome, reason, rejected = classify(exc)
-            return result(outcome, reason)
-        problem = plan.problem(chunks, request.expected_tokens)
-        if problem is not None:
-            return result(Outcome.INVALID, problem)
-        return result(
-            Outcome.SUCCESS,
-            f"complete answer in {len(chunks)} chunk(s)",
-            answer=plan.answer(chunks),
-        )
+            return received(NoAnswer(outcome, reason, rejection=rejected))
+        return received(Streamed(tuple(chunks)))

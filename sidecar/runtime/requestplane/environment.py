@@ -18,7 +18,7 @@ import os
 import tempfile
 from collections.abc import Mapping
 
-from sidecar.config import DiscoveryBackend, LogLevel, Settings
+from sidecar.runtime.requestplane.settings import DiscoveryBackend, PlaneConfig
 
 # Passed through as the worker's: how to reach the request plane and discovery.
 PASSED = ("DYN_TCP_", "DYN_HTTP_RPC_", "DYN_NATS_", "NATS_", "ETCD_", "DYN_ETCD_")
@@ -33,13 +33,13 @@ NO_SYSTEM_SERVER = "-1"
 # The worker streams answers back to an address the client names: in a pod the worker is on the
 # same network namespace, so loopback reaches it and keeps the answers inside the pod.
 RESPONSE_STREAM_HOST = "127.0.0.1"
-# The runtime logs a line per request at info; the sidecar logs state changes only.
-RUNTIME_LOG = {LogLevel.DEBUG: "info"}
+# The runtime logs a line per request at info; the sidecar logs state changes only (but at DEBUG).
+RUNTIME_LOG_DEBUG = "info"
 RUNTIME_LOG_DEFAULT = "error"
 
 
 def client_environment(
-    settings: Settings, environ: Mapping[str, str], *, file_kv: str | None = None
+    config: PlaneConfig, environ: Mapping[str, str], *, file_kv: str | None = None
 ) -> dict[str, str]:
     """The process environment for the runtime client: ``environ`` without Dynamo's variables
     except those a client needs, with the client's own settings. ``file_kv``: the file-discovery
@@ -51,10 +51,10 @@ def client_environment(
     }
     env["DYN_SYSTEM_PORT"] = NO_SYSTEM_SERVER
     env.setdefault("DYN_TCP_RESPONSE_STREAM_HOST", RESPONSE_STREAM_HOST)
-    env.setdefault("DYN_LOG", RUNTIME_LOG.get(settings.log_level, RUNTIME_LOG_DEFAULT))
+    env.setdefault("DYN_LOG", RUNTIME_LOG_DEBUG if config.debug else RUNTIME_LOG_DEFAULT)
     env.setdefault("DYN_SDK_DISABLE_ANSI_LOGGING", "1")  # its lines go to the sidecar's log
-    env["DYN_DISCOVERY_BACKEND"] = settings.discovery_backend.value
-    env["DYN_REQUEST_PLANE"] = settings.request_plane.value
+    env["DYN_DISCOVERY_BACKEND"] = config.discovery.value
+    env["DYN_REQUEST_PLANE"] = config.plane.value
     if file_kv is not None:
         env["DYN_FILE_KV"] = file_kv
     return env
@@ -67,13 +67,13 @@ def apply(env: Mapping[str, str]) -> None:
     os.environ.update(env)
 
 
-def prepare(settings: Settings) -> str | None:
+def prepare(config: PlaneConfig) -> str | None:
     """Give the process the runtime client's environment. Under Kubernetes discovery, also make
     the private file-discovery directory the client reads (in TMPDIR: an emptyDir in a pod whose
     root filesystem is read-only) and return it."""
     private = None
-    file_kv = settings.file_kv
-    if settings.discovery_backend is DiscoveryBackend.KUBERNETES:
+    file_kv = config.file_kv
+    if config.discovery is DiscoveryBackend.KUBERNETES:
         private = file_kv = tempfile.mkdtemp(prefix="health-sidecar-discovery-")
-    apply(client_environment(settings, os.environ, file_kv=file_kv))
+    apply(client_environment(config, os.environ, file_kv=file_kv))
     return private

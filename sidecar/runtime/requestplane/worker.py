@@ -19,11 +19,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from sidecar.config import GENERATE, Settings
+from sidecar.core.endpoint import GENERATE
 from sidecar.core.evidence.progress import MetricsUnreadable
 from sidecar.core.evidence.result import Outcome, Result
-from sidecar.probes import CanaryPlan, CanaryRequest
-from sidecar.runtime.engine import Answer, EngineClient, NoAnswer, error_text
+from sidecar.probes.base import CanaryRequest
+from sidecar.probes.exchange import Answer, NoAnswer, Received, error_text
+from sidecar.runtime.engine import EngineClient
 from sidecar.runtime.requestplane.client import RequestPlane
 from sidecar.runtime.requestplane.identity import (
     Instance,
@@ -68,7 +69,7 @@ def _engine_health(path: str, answer: Answer | NoAnswer) -> EngineHealth:
 class DynamoWorker:
     def __init__(
         self,
-        settings: Settings,
+        endpoint: str | None,
         http: EngineClient,
         plane: RequestPlane,
         *,
@@ -76,7 +77,7 @@ class DynamoWorker:
         metrics_path: str,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.want = settings.dynamo_endpoint or GENERATE
+        self.want = endpoint or GENERATE
         self.http = http
         self.plane = plane
         self.health_path = health_path
@@ -142,9 +143,15 @@ class DynamoWorker:
         registration = self._result(started, outcome, why, identity)
         return WorkerCheck(registration, health, listed, instance)
 
-    async def canary(self, plan: CanaryPlan, request: CanaryRequest) -> Result:
+    async def send(self, request: CanaryRequest, deadline: float) -> Received:
+        """The canary's channel (:class:`sidecar.probes.exchange.Channel`): to the instance the
+        last check found, over the request plane."""
         instance = self.instance
         if instance is None:
             started = self.clock()
-            return self._result(started, Outcome.REFUSED, "no instance of the worker is known")
-        return await self.plane.canary(plan, request, instance)
+            why = NoAnswer(Outcome.REFUSED, "no instance of the worker is known")
+            return Received(why, started, self.clock(), time.time())
+        return await self.plane.send(request, instance, deadline)
+
+    def redact(self, text: str) -> str:
+        return self.http.redact(text)

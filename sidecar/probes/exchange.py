@@ -1,0 +1,90 @@
+"""What a transport hands back to a probe: what it received, and when. Transports judge
+nothing; the probe judges (:mod:`sidecar.probes.judge`).
+
+A transport is any object with ``send(request, deadline) -> Received`` (:class:`Channel`): the
+engine client over HTTP (``sidecar/runtime/engine.py``), the Dynamo worker over its request plane
+(``sidecar/runtime/requestplane/worker.py``). It keeps the deadline over the whole answer and
+never raises for what the engine does: no answer is a :class:`NoAnswer` with its reason.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from sidecar.core.evidence.result import Outcome
+
+if TYPE_CHECKING:
+    from sidecar.probes.base import CanaryRequest
+
+ERROR_TEXT_CHARS = 200
+
+
+@dataclass(frozen=True)
+class Answer:
+    """An HTTP answer, read whole (within the byte bound)."""
+
+    status: int
+    content_type: str
+    body: bytes
+    location: str | None = None
+
+
+@dataclass(frozen=True)
+class Streamed:
+    """A Dynamo worker's whole stream: its chunks in order, or the error event it ended with (its
+    handler refused the request)."""
+
+    chunks: tuple[Any, ...]
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class NoAnswer:
+    """Why an exchange produced no answer, as the outcome a probe or a check records.
+    ``rejection``: the worker's handler raised on the request itself (Dynamo)."""
+
+    outcome: Outcome
+    reason: str
+    rejection: bool = False
+
+
+@dataclass(frozen=True)
+class Received:
+    """What one request received, from when it was sent (monotonic) to when the answer ended
+    (monotonic, and wall-clock)."""
+
+    answer: Answer | Streamed | NoAnswer
+    started: float
+    finished: float
+    wall: float
+
+
+class Channel(Protocol):
+    """How a probe reaches the engine."""
+
+    async def send(self, request: CanaryRequest, deadline: float) -> Received: ...
+
+    def redact(self, text: str) -> str:
+        """``text`` with the secrets the channel sends (a bearer token) scrubbed."""
+        ...
+
+
+def error_text(body: bytes) -> str:
+    """The engine's error message from a JSON error body, or the start of the text."""
+    text = body.decode("utf-8", "replace").strip()
+    try:
+        parsed = json.loads(text)
+    except ValueError:
+        parsed = None
+    if isinstance(parsed, dict):
+        err = parsed.get("error", parsed.get("detail", parsed.get("message")))
+        if isinstance(err, dict):
+            err = err.get("message", err)
+        if err is not None:
+            text = err if isinstance(err, str) else json.dumps(err)
+    text = " ".join(text.split())
+    if not text:
+        return "(empty body)"
+    return text[:ERROR_TEXT_CHARS] + ("..." if len(text) > ERROR_TEXT_CHARS else "")

@@ -1,0 +1,324 @@
+"""The composition root: every part of the sidecar built from the settings, in one place, and
+each given only the values it needs (never the settings whole).
+
+- :func:`plans_for`: each endpoint's canary plan (``sidecar/probes``);
+- :func:`health_for`: the state's single writer, with its first snapshot (``sidecar/core``);
+- :func:`build`: the surface (HTTP app, metrics, history, and the control routes and gRPC health
+  service when their ports are set), subscribed to Health's events, and the lifecycle that runs
+  them beside the monitor (``sidecar/runtime/server.py``);
+- :func:`monitor_main`: on the monitor's own event loop, the I/O parts (the engine client, the
+  probes, Dynamo's runtime client, the gRPC registration check), each closed by one
+  ``AsyncExitStack`` when the monitor stops, in the reverse order of their making;
+- :func:`run`: the process: Dynamo's environment first where it is used, then serve.
+
+Only what the configuration uses is imported: grpcio with ``SIDECAR_GRPC_PORT`` or a ``grpc://``
+registration, Dynamo's runtime with ``SIDECAR_TRANSPORT=dynamo``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.util
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from fastapi import FastAPI
+
+from sidecar.config import Settings
+from sidecar.core.snapshot import first_snapshot
+from sidecar.probes import CanaryPlan, Transport, plan_canary, plan_transfer_probe
+from sidecar.probes.dynamo.canary import DynamoCanary
+from sidecar.probes.http import HttpCanary
+from sidecar.probes.kinds import Probe, ProbeKind
+from sidecar.probes.transfer import TransferProbe
+from sidecar.probes.units import unit_specs
+from sidecar.runtime.engine import EngineClient
+from sidecar.runtime.health import Health
+from sidecar.runtime.monitor import EngineParts, Monitor, Routes
+from sidecar.runtime.server import HttpServer, LoopThread, Servers, Sidecar, StartupError
+from sidecar.surface.app import create_app
+from sidecar.surface.control import CONTROL_HOST, create_control_app
+from sidecar.surface.history import History
+from sidecar.surface.metrics import Metrics
+
+if TYPE_CHECKING:
+    from sidecar.runtime.requestplane.worker import DynamoWorker
+
+log = logging.getLogger("sidecar")
+
+
+def plans_for(settings: Settings) -> dict[str, CanaryPlan]:
+    """Each endpoint's plan: generate's canary, and kv_transfer's probe with a prefill peer."""
+    config = settings.canary_config()
+    plan = plan_canary(config)
+    plans = {plan.endpoint: plan}
+    if settings.kv_peer_url is not None:
+        transfer = plan_transfer_probe(config, settings.kv_peer_url, settings.kv_probe_interval)
+        plans[transfer.endpoint] = transfer
+    return plans
+
+
+def health_for(
+    settings: Settings,
+    plans: Mapping[str, CanaryPlan],
+    clock: Callable[[], float] = time.monotonic,
+) -> Health:
+    """The single writer, starting from every unit unchecked: a fixed rank count
+    (SIDECAR_DP_RANKS=N) splits the endpoint from the start; auto, once the metrics tell."""
+    ranks = settings.ranks if isinstance(settings.ranks, int) else 1
+    specs = unit_specs(plans.values(), ranks=ranks, model=settings.model)
+    snapshot = first_snapshot(
+        specs,
+        settings.policy(),
+        clock(),
+        model=settings.model,
+        listed=settings.use_endpoint_health_status,
+        starting=settings.starting_health_status,
+        min_ready=settings.dp_min_ready_ranks,
+    )
+    return Health(snapshot, clock)
+
+
+def registration_path(settings: Settings, plan: CanaryPlan) -> str:
+    return settings.registration_path or plan.prober.registration_path
+
+
+def install_hint(extra: str) -> str:
+    """The command that installs ``extra`` where this sidecar is installed from: a source checkout
+    (an editable install) or a package."""
+    root = Path(__file__).resolve().parents[1]
+    if (root / "pyproject.toml").is_file() and (root / "sidecar").is_dir():
+        return f"pip install -e '{root}[{extra}]'"
+    return f"pip install 'health-sidecar[{extra}]'"
+
+
+def runtime_missing() -> str | None:
+    """Why Dynamo's runtime client is not installed here, or None. Only looked up, not imported:
+    importing loads the runtime (and it reads Dynamo's variables); a runtime that is installed
+    but cannot load fails, with one line, when the sidecar starts it."""
+    try:
+        spec = importlib.util.find_spec("dynamo.runtime")
+    except ImportError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None if spec is not None else "No module named 'dynamo.runtime'"
+
+
+def missing_for(settings: Settings) -> str | None:
+    """What the configuration needs that is not installed here, as one line; None if nothing."""
+    if settings.transport is not Transport.DYNAMO:
+        return None
+    why = runtime_missing()
+    if why is None:
+        return None
+    return (
+        f"SIDECAR_TRANSPORT=dynamo: expected Dynamo's runtime client installed "
+        f"({install_hint('dynamo')}): {why}"
+    )
+
+
+async def monitor_main(
+    settings: Settings,
+    health: Health,
+    plans: Mapping[str, CanaryPlan],
+    private_dir: str | None = None,
+) -> None:
+    """Build the monitor's I/O parts on its own loop, run it until cancelled, then close them."""
+    plan = plans[next(iter(plans))]
+    key = settings.engine_api_key.get_secret_value() if settings.engine_api_key else None
+    clock = health.clock
+
+    def client(url: str, timeout: float) -> EngineClient:
+        return EngineClient(
+            url, timeout=timeout, max_bytes=settings.max_response_bytes, api_key=key, clock=clock
+        )
+
+    async with contextlib.AsyncExitStack() as stack:
+        engine = client(settings.engine_url, settings.request_timeout)
+        stack.push_async_callback(engine.aclose)
+        probes: dict[ProbeKind, Probe] = {
+            ProbeKind.HTTP: HttpCanary(engine, timeout=settings.request_timeout, clock=clock)
+        }
+        worker = None
+        if settings.transport is Transport.DYNAMO:
+            worker = await _dynamo_worker(settings, engine, plan, stack, clock, private_dir)
+            probes[ProbeKind.DYNAMO] = DynamoCanary(worker, timeout=settings.request_timeout)
+        if settings.kv_peer_url is not None:
+            timeout = settings.kv_probe_timeout
+            peer, local = (
+                client(settings.kv_peer_url, timeout),
+                client(settings.engine_url, timeout),
+            )
+            stack.push_async_callback(peer.aclose)
+            stack.push_async_callback(local.aclose)
+            probes[ProbeKind.TRANSFER] = TransferProbe(
+                peer,
+                local,
+                timeout=timeout,
+                prompt_tokens=settings.kv_probe_prompt_tokens,
+                clock=clock,
+            )
+        for probe in probes.values():  # closed before the clients they send through
+            stack.push_async_callback(probe.aclose)
+        grpc_registration = None
+        target = settings.grpc_registration
+        if target is not None:
+            from sidecar.runtime.grpcregistration import GrpcRegistration
+
+            grpc_registration = GrpcRegistration(
+                target,
+                timeout=settings.request_timeout,
+                interval=settings.registration_interval,
+                clock=clock,
+            )
+            stack.push_async_callback(grpc_registration.aclose)
+        monitor = Monitor(
+            health,
+            EngineParts(engine, probes, worker, grpc_registration),
+            plans,
+            settings.timing(plan.enabled),
+            Routes(registration_path(settings, plan), settings.metrics_path),
+        )
+        await monitor.run()
+
+
+async def _dynamo_worker(
+    settings: Settings,
+    engine: EngineClient,
+    plan: CanaryPlan,
+    stack: contextlib.AsyncExitStack,
+    clock: Callable[[], float],
+    private_dir: str | None,
+) -> DynamoWorker:
+    """Dynamo's runtime client, started (a refusal is a one-line StartupError), and this pod's
+    worker found through it."""
+    from sidecar.runtime.requestplane.client import RequestPlane
+    from sidecar.runtime.requestplane.worker import DynamoWorker
+
+    plane = RequestPlane(
+        settings.plane_config(),
+        timeout=settings.request_timeout,
+        clock=clock,
+        private_dir=private_dir,
+    )
+    try:
+        plane.start()
+    except Exception as exc:  # the runtime refuses its variables with plain Exceptions
+        raise StartupError(
+            f"SIDECAR_TRANSPORT=dynamo: Dynamo's runtime client did not start: {exc}"
+        ) from None
+    stack.push_async_callback(plane.aclose)
+    return DynamoWorker(
+        settings.dynamo_endpoint,
+        engine,
+        plane,
+        health_path=registration_path(settings, plan),
+        metrics_path=settings.metrics_path or plan.prober.progress.path,
+        clock=clock,
+    )
+
+
+@dataclass(frozen=True)
+class Surface:
+    """What the HTTP server serves: the app, and the metrics and history behind it."""
+
+    app: FastAPI
+    metrics: Metrics
+    history: History
+
+
+def surface_for(settings: Settings, health: Health) -> Surface:
+    """The HTTP surface, its metrics and history subscribed to Health's events."""
+    about = settings.about()
+    metrics = Metrics(health, about)
+    key = settings.engine_api_key
+    history = History(secrets=[key.get_secret_value()] if key else [])
+    health.subscribe(metrics.on_event)
+    health.subscribe(history.on_event)
+    return Surface(create_app(about, health, metrics, history), metrics, history)
+
+
+def build(settings: Settings, private_dir: str | None = None) -> Sidecar:
+    """Every part, wired: the surface subscribed to Health, the lifecycle that runs it all."""
+    plans = plans_for(settings)
+    health = health_for(settings, plans)
+    surface = surface_for(settings, health)
+
+    async def main() -> None:
+        await monitor_main(settings, health, plans, private_dir)
+
+    runner = LoopThread(main, health.observe)
+    surface.metrics.loops.append(runner.loop)
+    host, port = settings.system_host, settings.system_port
+    http = HttpServer(surface.app, host, port, grace=5)
+    control = None
+    if settings.control_port is not None:
+        app = create_control_app(settings.control(), health, runner.submit)
+        control = HttpServer(app, CONTROL_HOST, settings.control_port, grace=1)
+    grpc = None
+    if settings.grpc_port is not None:
+        from sidecar.surface.grpchealth import GrpcHealth
+
+        grpc = GrpcHealth(health, host, settings.grpc_port)
+        health.subscribe(grpc.on_event)
+    return Sidecar(
+        Servers(http, control, grpc),
+        runner,
+        drain_timeout=settings.drain_timeout,
+        gone=lambda: health.snapshot.engine_gone,
+    )
+
+
+def _log_serving(settings: Settings, plan: CanaryPlan) -> None:
+    log.info(
+        "health-sidecar serving http://%s:%d (%s, %s): engine %s, canary %s",
+        settings.system_host,
+        settings.system_port,
+        settings.health_path,
+        settings.live_path,
+        settings.engine_url,
+        "on: " + plan.why if plan.enabled else "off: " + plan.why,
+    )
+    if settings.registration is not None:
+        log.info("registration: grpc.health.v1 Check at %s", settings.registration)
+    if settings.control_port is not None:
+        log.info(
+            "control routes on http://%s:%d/maintenance (loopback only, %s)",
+            CONTROL_HOST,
+            settings.control_port,
+            "bearer token required" if settings.control_token else "no token",
+        )
+
+
+async def serve(settings: Settings, private_dir: str | None = None) -> int:
+    """Serve until a signal or a failure stops the sidecar; the process's exit code."""
+    sidecar = build(settings, private_dir)
+    _log_serving(settings, plan_canary(settings.canary_config()))
+    return await sidecar.serve()
+
+
+def _new_loop() -> asyncio.AbstractEventLoop:
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop comes with uvicorn[standard]
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
+
+
+def run(settings: Settings) -> int:
+    """The process: Dynamo's runtime reads its variables from the process environment, so it
+    gets its own before any thread starts (sidecar/runtime/requestplane/environment.py); then
+    serve. What the configuration needs is installed: the command line checked
+    (:func:`missing_for`)."""
+    private = None
+    if settings.transport is Transport.DYNAMO:
+        from sidecar.runtime.requestplane import environment, runtimelog
+
+        private = environment.prepare(settings.plane_config())
+        runtimelog.capture()
+    with asyncio.Runner(loop_factory=_new_loop) as runner:
+        return runner.run(serve(settings, private))
