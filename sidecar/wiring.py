@@ -47,6 +47,8 @@ from sidecar.surface.history import History
 from sidecar.surface.metrics import Metrics
 
 if TYPE_CHECKING:
+    import httpx
+
     from sidecar.runtime.requestplane.worker import DynamoWorker
 
 log = logging.getLogger("sidecar")
@@ -121,11 +123,17 @@ def missing_for(settings: Settings) -> str | None:
     )
 
 
+# How the engine clients reach a URL: httpx's own transport (None), or, in tests, an in-process
+# one (the fake engine's ASGI app).
+Connect = Callable[[str], "httpx.AsyncBaseTransport | None"]
+
+
 async def monitor_main(
     settings: Settings,
     health: Health,
     plans: Mapping[str, CanaryPlan],
     private_dir: str | None = None,
+    connect: Connect | None = None,
 ) -> None:
     """Build the monitor's I/O parts on its own loop, run it until cancelled, then close them."""
     plan = plans[next(iter(plans))]
@@ -134,7 +142,12 @@ async def monitor_main(
 
     def client(url: str, timeout: float) -> EngineClient:
         return EngineClient(
-            url, timeout=timeout, max_bytes=settings.max_response_bytes, api_key=key, clock=clock
+            url,
+            timeout=timeout,
+            max_bytes=settings.max_response_bytes,
+            api_key=key,
+            clock=clock,
+            transport=connect(url) if connect is not None else None,
         )
 
     async with contextlib.AsyncExitStack() as stack:
