@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from enum import StrEnum
 from typing import Any, ClassVar
 
 from sidecar.core.endpoint import unit_name
@@ -17,8 +18,21 @@ from sidecar.core.evidence.progress import (
     Series,
 )
 from sidecar.core.evidence.transfers import TransferSpec
-from sidecar.probes.kinds import ProbeKind
 from sidecar.probes.role import Backend, Mode, Role, Transport
+
+
+class ProbeKind(StrEnum):
+    """What probes a unit: each kind's probe is in a file of its own (sidecar/probes/kinds.py)."""
+
+    HTTP = "http"
+    DYNAMO = "dynamo"
+    TRANSFER = "transfer"
+
+    @property
+    def is_canary(self) -> bool:
+        """A canary (of an endpoint, or of one rank), not the transfer probe."""
+        return self is not ProbeKind.TRANSFER
+
 
 # Eight ordinary token ids: valid in every real vocabulary, and shorter than one KV block
 # (16 tokens in vLLM and SGLang by default), so a prefill never pins a full block.

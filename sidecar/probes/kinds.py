@@ -10,29 +10,20 @@ Each kind lives in a file of its own:
   ``sidecar/probes/dynamo/<backend>.py``);
 - ``transfer``: the KV transfer probe of a vLLM decode worker (:mod:`sidecar.probes.transfer`).
 
-The monitor holds one map from kind to probe (built in :mod:`sidecar.runtime.server`) and sends
+The monitor holds one map from kind to probe (built in :mod:`sidecar.wiring`) and sends
 each unit's probe through it: ``await probes[plan.probe](plan, request, model)``.
 """
 
 from __future__ import annotations
 
-from enum import StrEnum
 from typing import TYPE_CHECKING, Protocol
+
+from sidecar.probes.base import CanaryPlan, CanaryRequest, ProbeKind
 
 if TYPE_CHECKING:
     from sidecar.core.evidence.result import Result
-    from sidecar.probes.base import CanaryPlan, CanaryRequest
 
-
-class ProbeKind(StrEnum):
-    HTTP = "http"
-    DYNAMO = "dynamo"
-    TRANSFER = "transfer"
-
-    @property
-    def is_canary(self) -> bool:
-        """A canary (of an endpoint, or of one rank), not the transfer probe."""
-        return self is not ProbeKind.TRANSFER
+__all__ = ["Probe", "ProbeKind"]
 
 
 class Probe(Protocol):
