@@ -286,6 +286,13 @@ def verdict_doc() -> str:
     return docstring_markdown(verdict.__doc__)
 
 
+def liveness_clocks() -> str:
+    """The liveness clocks, from ``Cause`` itself."""
+    rows = ["| clock (`cause`) | in brief | what starts and ends it |", "|---|---|---|"]
+    rows += [f"| {c.value} | {c.brief} | {_cell(c.description)} |" for c in verdict.Cause]
+    return "\n".join(rows)
+
+
 def rank_verdict_doc() -> str:
     doc = verdict.rank_verdict.__doc__ or ""
     return docstring_markdown(doc)
@@ -341,6 +348,7 @@ GENERATORS: dict[str, Callable[[], str]] = {
     "settings": settings_table,
     "policy": policy_section,
     "verdict": verdict_doc,
+    "liveness-clocks": liveness_clocks,
     "rank-verdict": rank_verdict_doc,
     "rules": rules_table,
     "cli-help": cli_help,

@@ -26,7 +26,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from sidecar.core.endpoint import KV_TRANSFER, MONITORED_ENDPOINTS, OPTIONAL_ENDPOINTS
 from sidecar.core.evidence.policy import Policy
 from sidecar.core.schedule import Timing
-from sidecar.core.verdict import StartingStatus
+from sidecar.core.verdict import Cause, StartingStatus
 from sidecar.probes import CanaryConfig
 from sidecar.probes.role import Backend, Mode, ModelType, Role, Transport
 from sidecar.runtime.grpctarget import GrpcTarget, grpc_target
@@ -293,8 +293,9 @@ class Settings(BaseSettings):
     liveness_window: float = _seconds(
         "SIDECAR_LIVENESS_WINDOW",
         120.0,
-        "Seconds of uninterrupted hard failure (the engine accepts connections but "
-        "hangs, or answers 5xx) after which /live fails.",
+        "Seconds a liveness clock may run before /live fails; the clocks: "
+        + ", ".join(Cause)
+        + " (what starts and ends each: docs/concepts/decision-model.md).",
     )
     registration_interval: float = _seconds(
         "SIDECAR_REGISTRATION_INTERVAL",

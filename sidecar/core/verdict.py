@@ -33,23 +33,9 @@ they only shape the canary's schedule and how a timeout is counted.
 The worker's readiness (:func:`decide_readiness`): every counted endpoint ready (those listed in
 DYN_SYSTEM_USE_ENDPOINT_HEALTH_STATUS, or all), and not draining.
 
-Liveness (:func:`decide_liveness`): live unless one of these clocks has run for the whole
-liveness window, each started and ended by its own source only:
-
-- registration timing out, for a role without a canary: the health route accepts connections
-  and does not answer (started by an unexcused timeout; ended by any answer, or by a timeout
-  while the counters advance). With a canary, such a timeout sends one, whose clock decides;
-- canary failing hard: timeouts, 5xx, a rejection of a canary that passed before (ended by a
-  pass, a failure that is not hard, or a timeout excused by other work's progress);
-- stalled: a stall a canary confirmed (ended as the canary clock);
-- not discoverable: a Dynamo worker's instance, listed before in this incarnation, gone from
-  discovery while its system server answers (ended when it is listed again, or the worker stops
-  answering: only a restart registers an orphaned worker again);
-- engine reports a fault: vLLM's fault-tolerance status says the rank is unhealthy or dead
-  (started by the first read that says so; ended when it reports healthy, or recovering);
-- engine says it is not serving: its gRPC health (SIDECAR_REGISTRATION) answers NOT_SERVING
-  after it answered SERVING, from a server that stays up (vLLM's gRPC server with its engine
-  dead does so for good); started by the first NOT_SERVING, ended by SERVING or a refusal.
+Liveness (:func:`decide_liveness`): live unless one of the liveness clocks (:class:`Cause`, each
+with what starts and ends it) has run for the whole liveness window, each started and ended by
+its own source only.
 
 An endpoint fails liveness when its first clock reaches the window; the cause named is that
 clock's, or "not discoverable" whenever that one runs (no canary reaches an orphan).
@@ -268,12 +254,77 @@ def decide_readiness(
 
 
 class Cause(StrEnum):
+    """A liveness clock: its name (the value), what it is in a few words (:attr:`brief`), and what
+    starts and ends it (:attr:`description`)."""
+
     REGISTRATION = "registration timing out"
     CANARY = "canary failing hard"
     STALL = "stalled"
     UNDISCOVERABLE = "not discoverable"
     FAULT = "engine reports a fault"
     NOT_SERVING = "engine says it is not serving"
+
+    @property
+    def brief(self) -> str:
+        return _CAUSES[self][0]
+
+    @property
+    def description(self) -> str:
+        return _CAUSES[self][1]
+
+
+_CAUSES: dict[Cause, tuple[str, str]] = {
+    Cause.REGISTRATION: (
+        "a role without a canary whose health route hangs",
+        "for a role without a canary: the health route accepts connections and does not answer "
+        "(started by an unexcused timeout; ended by any answer, or by a timeout while the "
+        "counters advance). With a canary, such a timeout sends one, whose clock decides",
+    ),
+    Cause.CANARY: (
+        "timeouts, 5xx",
+        "timeouts, 5xx, a rejection of a canary that passed before (ended by a pass, a failure "
+        "that is not hard, or a timeout excused by other work's progress)",
+    ),
+    Cause.STALL: (
+        "work in flight with quiet counters, confirmed by a canary",
+        "a stall a canary confirmed (ended as the canary clock)",
+    ),
+    Cause.UNDISCOVERABLE: (
+        "an instance gone from discovery while it answers",
+        "a Dynamo worker's instance, listed before in this incarnation, gone from discovery "
+        "while its system server answers (ended when it is listed again, or the worker stops "
+        "answering: only a restart registers an orphaned worker again)",
+    ),
+    Cause.FAULT: (
+        "vLLM's fault tolerance says unhealthy or dead",
+        "vLLM's fault-tolerance status says the rank is unhealthy or dead (started by the first "
+        "read that says so; ended when it reports healthy, or recovering)",
+    ),
+    Cause.NOT_SERVING: (
+        "its gRPC health answers NOT_SERVING after SERVING",
+        "its gRPC health (SIDECAR_REGISTRATION) answers NOT_SERVING after it answered SERVING, "
+        "from a server that stays up (vLLM's gRPC server with its engine dead does so for good); "
+        "started by the first NOT_SERVING, ended by SERVING or a refusal",
+    ),
+}
+
+
+def liveness_causes(
+    *, canary: bool, progress: bool, discovery: bool, faults: bool, grpc_health: bool
+) -> tuple[Cause, ...]:
+    """The clocks that can run for a worker checked so: ``canary`` it gets canaries; ``progress``
+    its metrics are read (a stall can be confirmed); ``discovery`` a Dynamo worker whose
+    discovery is watched; ``faults`` its engine reports its fault-tolerance status;
+    ``grpc_health`` registered over the engine's gRPC health."""
+    runs = {
+        Cause.REGISTRATION: not canary,
+        Cause.NOT_SERVING: grpc_health,
+        Cause.CANARY: canary,
+        Cause.STALL: canary and progress,
+        Cause.UNDISCOVERABLE: discovery,
+        Cause.FAULT: faults,
+    }
+    return tuple(cause for cause in Cause if runs[cause])
 
 
 def clocks(ep: EndpointState) -> dict[Cause, float]:

@@ -8,7 +8,7 @@ from typing import Any
 
 from sidecar.config import DiscoveryBackend, Settings, Transport
 from sidecar.core.endpoint import asks_engine_http
-from sidecar.core.verdict import RULE_TEXT, Rule
+from sidecar.core.verdict import RULE_TEXT, Cause, Rule, liveness_causes
 from sidecar.probes import CanaryPlan, plan_canary
 
 MODEL_PLACEHOLDER = "<served model, from GET /v1/models>"
@@ -66,13 +66,13 @@ def _progress_lines(plan: CanaryPlan, s: Settings) -> list[str]:
         "counters, and sends a canary to confirm it: a timeout with no progress since it left "
         'is notready "stalled"; a pass clears it',
         f"  bound        a hang under load is notready within {policy.stall_bound:g} s of the "
-        f"counters stopping (SIDECAR_STALL_WINDOW {s.effective_stall_window:g} s"
+        f"counters stopping ({policy.to_stalled()}); SIDECAR_STALL_WINDOW "
+        f"{s.effective_stall_window:g} s"
         + (
             ""
             if policy.stall_bound <= s.effective_stall_window
-            else f"; raise it to at least {policy.stall_bound:g} s to meet it"
-        )
-        + ")",
+            else f": raise it to at least {policy.stall_bound:g} s to meet it"
+        ),
     ]
 
 
@@ -314,23 +314,30 @@ def _verdict_lines(plan: CanaryPlan, s: Settings) -> list[str]:
     listed = s.use_endpoint_health_status
     rule = Rule.LISTED if listed else Rule.MONITORED
     counted = f" ({', '.join(listed)})" if listed else f" ({plan.endpoint})"
-    gone = (
-        "stall, or an instance gone from discovery; never while"
-        if s.transport is Transport.DYNAMO
-        else "stall; never while"
-    )
     over_grpc = s.grpc_registration is not None
-    said = "the engine's gRPC health answering NOT_SERVING after SERVING, " if over_grpc else ""
     otherwise = "otherwise (or NOT_SERVING before it served)" if over_grpc else "with non-200"
+    clocks = "; ".join(f"{cause} ({cause.brief})" for cause in causes(s))
     return [
         f"readiness      {RULE_TEXT[rule]}{counted}",
         f"               before an endpoint's first verdict: {s.starting_health_status} "
         "(DYN_SYSTEM_STARTING_HEALTH_STATUS)",
-        f"liveness       fails after {s.liveness_window:g} s on one clock: registration timing "
-        f"out (a role without a canary), {said}canary failing hard (timeouts, 5xx), a confirmed "
-        f"{gone} the engine answers its health route {otherwise}, refuses "
-        "connections, or rejects a canary that never passed (4xx)",
+        f"liveness       fails after {s.liveness_window:g} s on one clock: {clocks}; never while "
+        f"the engine answers its health route {otherwise}, refuses connections, or rejects a "
+        "canary that never passed (4xx)",
     ]
+
+
+def causes(s: Settings) -> tuple[Cause, ...]:
+    """The liveness clocks that can run with this configuration (sidecar.core.verdict)."""
+    plan = plan_canary(s.canary_config())
+    dynamo = s.transport is Transport.DYNAMO
+    return liveness_causes(
+        canary=plan.enabled,
+        progress=s.progress_enabled,
+        discovery=dynamo and s.discovery_backend is not DiscoveryBackend.KUBERNETES,
+        faults=plan.prober.fault_path is not None and not dynamo and _over_http(plan, s),
+        grpc_health=s.grpc_registration is not None,
+    )
 
 
 def _grpc_line(plan: CanaryPlan, s: Settings) -> str:

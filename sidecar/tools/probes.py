@@ -32,9 +32,11 @@ from typing import Any
 
 import yaml
 
-from sidecar.config import DiscoveryBackend, Settings, Transport
+from sidecar.config import Settings, Transport
+from sidecar.core.evidence.policy import Policy
 from sidecar.probes import plan_canary
 from sidecar.surface.grpcnames import LIVENESS, READINESS
+from sidecar.tools.plan import causes
 
 READINESS_TARGET_SECONDS = 30.0
 """A hung engine leaves rotation within this many seconds (when the settings allow it)."""
@@ -63,10 +65,12 @@ class Probe:
 
 @dataclass(frozen=True)
 class Sizing:
-    """The three probes and the arithmetic behind them (seconds)."""
+    """The three probes and the arithmetic behind them (seconds); the sidecar's own bounds are
+    the policy's (sidecar/core/evidence/policy.py), with their terms."""
 
     port: int
     canary: bool
+    policy: Policy
     startup: Probe
     liveness: Probe
     readiness: Probe
@@ -99,27 +103,12 @@ def size(settings: Settings, max_load_seconds: float) -> Sizing:
         raise ValueError(f"--max-load-seconds must be a number > 0, not {max_load_seconds!r}")
     s = settings
     canary = plan_canary(s.canary_config()).enabled
-    retry, timeout = s.retry_interval, s.request_timeout
-    if canary:
-        # Registration check, model discovery, then success_threshold canaries (each started
-        # retry after the previous ended).
-        load_to_ready = (
-            s.registration_interval
-            + 2 * timeout
-            + s.success_threshold * timeout
-            + (s.success_threshold - 1) * retry
-        )
-        policy = s.policy()  # the timing formulas: sidecar/core/evidence/policy.py
-        hang_to_notready = policy.hang_to_notready
-        hang_to_notlive = policy.hang_to_notlive
-        # With work in flight, quiet counters raise a suspicion that one canary confirms.
-        stall_to_notready = policy.stall_bound if s.progress_enabled else None
-    else:
-        # No canary: readiness follows the engine's own health route.
-        load_to_ready = s.registration_interval + timeout
-        hang_to_notready = s.registration_interval + timeout
-        hang_to_notlive = s.registration_interval + s.liveness_window
-        stall_to_notready = None
+    policy = s.policy()  # the bounds and their terms: sidecar/core/evidence/policy.py
+    load_to_ready = policy.to_ready(canary).seconds
+    hang_to_notready = policy.to_notready(canary).seconds
+    hang_to_notlive = policy.to_notlive(canary).seconds
+    # With work in flight, quiet counters raise a suspicion that one canary confirms.
+    stall_to_notready = policy.to_stalled().seconds if canary and s.progress_enabled else None
 
     startup = Probe(
         s.health_path,
@@ -134,6 +123,7 @@ def size(settings: Settings, max_load_seconds: float) -> Sizing:
     return Sizing(
         port=s.system_port,
         canary=canary,
+        policy=policy,
         startup=startup,
         liveness=liveness,
         readiness=readiness,
@@ -285,7 +275,7 @@ def _startup(z: Sizing, t: Target) -> list[str]:
             "timeoutSeconds": "answered from memory; headroom for a busy node",
             "failureThreshold": f"restarted only after {st.failures - 1} x {st.period} s = "
             f"{_secs(z.startup_budget)} s >= {_secs(z.max_load)} s load + "
-            f"{_secs(z.load_to_ready)} s to ready",
+            f"{_secs(z.load_to_ready)} s to ready ({z.policy.to_ready(z.canary)})",
         },
     )
 
@@ -295,8 +285,7 @@ def _liveness(s: Settings, z: Sizing, t: Target) -> list[str]:
     if z.canary:
         restart = (
             f"a hung engine is restarted within {_secs(z.hang_to_restart)} s "
-            f"({_secs(s.canary_wait_time)} s wait + {_secs(s.retry_interval)} s retry + "
-            f"{_secs(s.liveness_window)} s window + {lv.failures} x {lv.period} s)"
+            f"({z.policy.to_notlive()} + {lv.failures} x {lv.period} s)"
         )
     else:
         restart = (
@@ -304,16 +293,11 @@ def _liveness(s: Settings, z: Sizing, t: Target) -> list[str]:
             f"restarted, within {_secs(z.hang_to_restart)} s"
         )
     busy = "while canaries still pass however busy it is" if z.canary else "while it is busy"
-    orphan = (
-        ", or its instance gone from discovery while it answers (an orphaned worker)"
-        if _dynamo(s) and s.discovery_backend is not DiscoveryBackend.KUBERNETES
-        else ""
-    )
+    clocks = "; ".join(f"{cause} ({cause.brief})" for cause in causes(s))
     return _probe(
         "livenessProbe",
-        f"{t.live} fails only after {_secs(s.liveness_window)} s of uninterrupted hard "
-        f"failure (the engine accepts connections but does not answer in time, or answers "
-        f"5xx{orphan}); never while it loads, {busy}, or while it refuses connections; "
+        f"{t.live} fails only after {_secs(s.liveness_window)} s on one liveness clock "
+        f"({clocks}); never while it loads, {busy}, or while it refuses connections; "
         f"{restart}.",
         lv,
         t.action(lv.path, LIVENESS),
@@ -330,15 +314,14 @@ def _readiness(s: Settings, z: Sizing, t: Target) -> list[str]:
     if z.canary:
         detect = (
             f"{t.ready} turns {t.bad} within {_secs(z.hang_to_notready)} s of a hang "
-            f"({_secs(s.canary_wait_time)} s wait + {_secs(s.retry_interval)} s retry + "
-            f"{s.failure_threshold - 1} x {_secs(max(s.retry_interval, s.request_timeout))} s + "
-            f"{_secs(s.request_timeout)} s timeout: {s.failure_threshold} failed canaries) and "
+            f"({z.policy.to_notready()}: {s.failure_threshold} failed canaries) and "
             "already applies that hysteresis, so the kubelet needs few failures."
         )
         if z.stall_to_notready is not None:
             detect += (
                 f" Under load, when the engine publishes its metrics, {t.ready} turns {t.bad} "
-                f"within {_secs(z.stall_to_notready)} s of its counters stopping."
+                f"within {_secs(z.stall_to_notready)} s of its counters stopping "
+                f"({z.policy.to_stalled()})."
             )
     else:
         detect = (
