@@ -9,10 +9,11 @@ name one variable, the value it had and what was expected. Nothing falls back si
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -31,6 +32,7 @@ from sidecar.probes import CanaryConfig
 from sidecar.probes.role import Backend, Mode, ModelType, Role, Transport
 from sidecar.runtime.grpctarget import GrpcTarget, grpc_target
 from sidecar.runtime.grpctarget import host_problem as _host_problem
+from sidecar.runtime.requestplane import environment
 from sidecar.runtime.requestplane.settings import DiscoveryBackend, PlaneConfig, PlaneKind
 from sidecar.surface.routes import RESERVED_ROUTES
 from sidecar.surface.view import About, ControlConfig
@@ -928,11 +930,91 @@ def broken_rules(s: Settings) -> list[str]:
     return [rule.line(s) for rule in RULES if rule.broken(s)]
 
 
+# --- the names of the variables ----------------------------------------------------------------
+# A misspelled name is no exception: SIDECAR_ENGIN_URL would leave the engine URL at its default,
+# DYN_HEALTH_CHECK_ENABLE the canaries off. Every SIDECAR_* name the sidecar does not read is
+# refused; a DYN_* name is refused when it is neither the sidecar's nor one of Dynamo's own (the
+# sidecar shares the pod's environment with Dynamo's worker: sidecar/dynamo_variables.txt) and is
+# close to one the sidecar reads. Other names are ignored, and --check-config says so.
+SIDECAR_PREFIX, DYNAMO_PREFIX = "SIDECAR_", "DYN_"
+# How close a DYN_* name must be to one the sidecar reads to be taken for its misspelling
+# (difflib's ratio: DYN_HEALTH_CHECK_ENABLE to ..._ENABLED is 0.98, DYN_CANARY_WAIT to
+# DYN_CANARY_WAIT_TIME 0.86); suggestions for a SIDECAR_* name need less.
+MISSPELLED, SUGGESTED = 0.85, 0.6
+
+
+def read_names() -> frozenset[str]:
+    """Every variable the sidecar itself reads."""
+    return frozenset(env_name(field) for field in Settings.model_fields)
+
+
+def dynamo_names() -> frozenset[str]:
+    """Dynamo's own variables (ai-dynamo-runtime 1.6.1 and its operator): never refused."""
+    text = (Path(__file__).parent / "dynamo_variables.txt").read_text(encoding="utf-8")
+    return frozenset(line for line in text.split() if line.startswith(DYNAMO_PREFIX))
+
+
+def _nearest_sidecar(name: str, ours: Iterable[str]) -> str | None:
+    """The SIDECAR_* name the sidecar reads that ``name`` is closest to, compared after the
+    prefix they share; None when none is close."""
+    tails = {n.removeprefix(SIDECAR_PREFIX): n for n in ours if n.startswith(SIDECAR_PREFIX)}
+    near = difflib.get_close_matches(name.removeprefix(SIDECAR_PREFIX), sorted(tails), 1, SUGGESTED)
+    return tails[near[0]] if near else None
+
+
+def _passed_to_dynamo(name: str) -> bool:
+    return name.startswith(environment.PASSED) or name in environment.PASSED_NAMES
+
+
+@dataclass(frozen=True)
+class Names:
+    """What the variables' names say: lines refusing the misspelled ones, and the ones ignored
+    (name, why)."""
+
+    refused: tuple[str, ...]
+    ignored: tuple[tuple[str, str], ...]
+
+
+def check_names(names: Iterable[str]) -> Names:
+    """Judge the names of the variables set (the environment's and the env file's)."""
+    ours, dynamos = read_names(), dynamo_names()
+    dyns = [n for n in ours if n.startswith(DYNAMO_PREFIX)]
+    refused: list[str] = []
+    ignored: list[tuple[str, str]] = []
+    for name in sorted(set(names) - ours):
+        if name.startswith(SIDECAR_PREFIX):
+            near = _nearest_sidecar(name, ours)
+            hint = f"did you mean {near}?" if near else "docs/reference/configuration.md has them"
+            refused.append(f"{name}: expected a variable the sidecar reads ({hint})")
+        elif not name.startswith(DYNAMO_PREFIX):
+            continue
+        elif name in dynamos:
+            ignored.append((name, "Dynamo's own: the worker reads it"))
+        elif _passed_to_dynamo(name):
+            ignored.append((name, "passed to Dynamo's runtime client (SIDECAR_TRANSPORT=dynamo)"))
+        elif near := difflib.get_close_matches(name, sorted(dyns), 1, MISSPELLED):
+            refused.append(
+                f"{name}: expected a variable the sidecar or Dynamo reads (did you mean {near[0]}?)"
+            )
+        else:
+            ignored.append((name, "neither the sidecar's nor Dynamo's, nor close to the sidecar's"))
+    return Names(tuple(refused), tuple(ignored))
+
+
+def names_set(env_file: str | None = None) -> set[str]:
+    """The names of the variables set: the environment's, and the env file's."""
+    names = set(os.environ)
+    if env_file is not None and Path(env_file).is_file():
+        names |= set(dotenv_values(env_file))
+    return names
+
+
 def load_settings(
     env_file: str | None = None, defaults: Mapping[str, str] | None = None
 ) -> Settings:
     """Read and validate the configuration from the environment and an optional env file (the
-    environment wins). ``defaults`` give values to variables set in neither."""
+    environment wins). ``defaults`` give values to variables set in neither. A misspelled name
+    (:func:`check_names`) is an error like a malformed value."""
     kwargs: dict[str, Any] = {}
     present = set(os.environ)
     if env_file is not None:
@@ -943,11 +1025,12 @@ def load_settings(
     for name, value in (defaults or {}).items():
         if name not in present:
             kwargs[name] = value
+    refused = list(check_names(names_set(env_file)).refused)
     try:
         settings = Settings(**kwargs)
     except ValidationError as exc:
-        raise ConfigError(_error_lines(exc)) from None
-    errors = broken_rules(settings)
+        raise ConfigError(refused + _error_lines(exc)) from None
+    errors = refused + broken_rules(settings)
     if errors:
         raise ConfigError(errors)
     return settings

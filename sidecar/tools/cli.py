@@ -10,7 +10,7 @@ import logging
 import sys
 
 from sidecar import __version__
-from sidecar.config import ConfigError, Settings, load_settings
+from sidecar.config import ConfigError, Settings, check_names, load_settings, names_set
 
 EXIT_CONFIG = 2
 
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.check_config:
         from sidecar.tools.plan import render
 
-        print(render(settings))
+        print(render(settings, check_names(names_set(args.env_file)).ignored))
         return 0
     if args.command == "probes":
         from sidecar.tools.probes import render as render_probes

@@ -4,6 +4,7 @@ and which rule will decide. Built from the same objects the running sidecar uses
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from typing import Any
 
 from sidecar.config import DiscoveryBackend, Settings, Transport
@@ -205,8 +206,9 @@ def _dynamo_lines(plan: CanaryPlan, s: Settings) -> list[str]:
     ]
 
 
-def render(settings: Settings) -> str:
-    """What ``--check-config`` prints: what the sidecar will do with this configuration."""
+def render(settings: Settings, ignored: Iterable[tuple[str, str]] = ()) -> str:
+    """What ``--check-config`` prints: what the sidecar will do with this configuration;
+    ``ignored``: the DYN_* variables set that it does not read, and why (config.check_names)."""
     plan = plan_canary(settings.canary_config())
     s = settings
     lines = [
@@ -227,8 +229,16 @@ def render(settings: Settings) -> str:
         f"serving        http://{s.system_host}:{s.system_port}  {s.health_path} (readiness)  "
         f"{s.live_path} (liveness)  /metrics  /sidecar/live (the sidecar's own probe)",
         _grpc_line(plan, s),
+        *_ignored_lines(ignored),
     ]
     return "\n".join(lines)
+
+
+def _ignored_lines(ignored: Iterable[tuple[str, str]]) -> list[str]:
+    said = [f"{name} ({why})" for name, why in ignored]
+    if not said:
+        return []
+    return [f"ignored        {said[0]}", *(f"               {each}" for each in said[1:])]
 
 
 def _registration_check(plan: CanaryPlan, s: Settings) -> tuple[str, str]:
