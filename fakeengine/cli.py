@@ -46,9 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m fakeengine",
         description="Fake LLM inference engine speaking vLLM, SGLang, TRT-LLM or llama.cpp HTTP.",
         epilog="Faults are injected at run time with POST /_fake/fault, a JSON object with any of "
-        f"{', '.join(Faults.model_fields)} (see Faults in fakeengine/state.py); GET "
-        "/_fake/fault shows them, POST /_fake/reset clears them, GET /_fake/state and "
-        "/_fake/requests show what the engine saw.",
+        f"{', '.join(Faults.model_fields)} (see Faults in fakeengine/state.py), answered with "
+        "the fields it set; GET /_fake/fault shows them all, POST /_fake/reset clears them, "
+        "GET /_fake/state and /_fake/requests show what the engine saw.",
     )
     parser.add_argument("--backend", choices=BACKEND_NAMES, default="vllm")
     parser.add_argument("--mode", choices=MODES, default="aggregated")
@@ -63,6 +63,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--latency", type=_non_negative, default=0.0, help="seconds each generation takes"
+    )
+    parser.add_argument(
+        "--no-step-counters",
+        action="store_true",
+        help="publish no counter that moves at every engine step (vllm: prompt, generation and "
+        "iteration tokens; sglang: realtime_tokens_total), only those that move as requests "
+        "complete, as an older SGLang does",
     )
     parser.add_argument(
         "--prompt-on-arrival",
@@ -165,6 +172,7 @@ async def _run(args: argparse.Namespace) -> int:
         latency=args.latency,
         load_seconds=args.load_seconds,
         prompt_on_arrival=args.prompt_on_arrival,
+        step_counters=not args.no_step_counters,
         metrics_gzip=args.metrics_gzip,
         dev_mode=args.dev_mode,
         kv_handshake_timeout=args.kv_handshake_timeout,

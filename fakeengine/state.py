@@ -142,6 +142,10 @@ class EngineConfig:
     health_check_timeout: float = SGLANG_HEALTH_CHECK_TIMEOUT
     # SGLang --disaggregation-transfer-backend (prefill refuses "fake" at start-up).
     transfer_backend: TransferBackend = DEFAULT_TRANSFER_BACKEND
+    # Publish the counters that move at every engine step (vLLM's token and iteration counters,
+    # SGLang's realtime_tokens_total). Without them only counters that move as requests complete
+    # remain, as on an older SGLang or another server.
+    step_counters: bool = True
 
 
 @dataclass

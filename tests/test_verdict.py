@@ -56,6 +56,8 @@ from sidecar.core.verdict import (
 from sidecar.runtime.engine import BadEncoding, BodyTooLarge, _decode
 from tests.support.tables import COST, POLICY, SPEC
 
+pytestmark = pytest.mark.unit
+
 
 def result(outcome: Outcome, at: float = 0.0, latency: float = 0.01, status: int | None = None):
     if status is None and outcome is Outcome.ERROR:
@@ -67,7 +69,7 @@ def result(outcome: Outcome, at: float = 0.0, latency: float = 0.01, status: int
 
 def sample(at: float, in_flight: float | None, total: float = 0.0, **counters: float):
     values = {PROMPT: total, GENERATION: total} | counters
-    return ProgressSample(at, 1e9 + at, in_flight, values)
+    return ProgressSample(at, 1e9 + at, in_flight, values, stepwise=True)
 
 
 def registered(has_canary: bool = True, at: float = 0.0) -> EndpointState:

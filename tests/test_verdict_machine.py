@@ -4,6 +4,7 @@ checks after every step the invariants the verdicts must keep."""
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -13,6 +14,8 @@ from sidecar.core.evidence.progress import COMPLETED, GENERATION, PROMPT, STEPS,
 from sidecar.core.evidence.result import Outcome, Result
 from sidecar.core.verdict import decide_liveness, endpoint_verdict
 from tests.support.tables import COST, POLICY, SPEC
+
+pytestmark = pytest.mark.unit
 
 CATEGORIES = (PROMPT, GENERATION, STEPS, COMPLETED)
 REGISTRATION_ANSWERS = [
@@ -48,7 +51,9 @@ class Verdicts(RuleBasedStateMachine):
         return Result(outcome, str(outcome), started, self.now, 1e9 + self.now, "c", status)
 
     def _read(self, in_flight: float | None) -> ProgressSample:
-        return ProgressSample(self.now, 1e9 + self.now, in_flight, dict(self.counters))
+        return ProgressSample(
+            self.now, 1e9 + self.now, in_flight, dict(self.counters), stepwise=True
+        )
 
     @rule(answer=st.sampled_from(REGISTRATION_ANSWERS), latency=st.sampled_from([0.01, 0.5]))
     def registration(self, answer: tuple[Outcome, int | None], latency: float) -> None:

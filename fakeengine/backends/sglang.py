@@ -195,14 +195,15 @@ class SglangBackend(Backend):
         effective = {
             mode: self._prefill_tokens if mode == "input" else _none for mode in EFFECTIVE_MODES
         }
+        realtime = per_mode(
+            "sglang:realtime_tokens_total",
+            "Total number of tokens processed (updated on each log interval). "
+            "mode: prefill_compute, prefill_cache, decode.",
+            {"prefill_compute": self._prefill_tokens, "decode": lambda s: s.decode_tokens},
+        )
         return [
             *(per_rank(GaugeMetricFamily, *gauge) for gauge in RANK_GAUGES),
-            per_mode(
-                "sglang:realtime_tokens_total",
-                "Total number of tokens processed (updated on each log interval). "
-                "mode: prefill_compute, prefill_cache, decode.",
-                {"prefill_compute": self._prefill_tokens, "decode": lambda s: s.decode_tokens},
-            ),
+            *([realtime] if self.config.step_counters else []),
             per_mode(
                 "sglang:prefill_effective_tokens_total",
                 "Effective prefill tokens with retracted-request re-counts excluded. "

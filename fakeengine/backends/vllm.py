@@ -195,19 +195,7 @@ class VllmBackend(Backend):
                     for level, name in SLEEP_STATES
                 ],
             ),
-            _family(
-                CounterMetricFamily,
-                "vllm:prompt_tokens",
-                "Prefill tokens processed.",
-                [(labels, s.prompt_tokens) for labels, s in ranks],
-            ),
-            _family(
-                CounterMetricFamily,
-                "vllm:generation_tokens",
-                "Tokens generated.",
-                [(labels, s.generated_tokens) for labels, s in ranks],
-            ),
-            self._iteration_tokens(ranks),
+            *(self._step_counters(ranks) if self.config.step_counters else []),
             _family(
                 CounterMetricFamily,
                 "vllm:request_success",
@@ -222,6 +210,24 @@ class VllmBackend(Backend):
         if self.has_kv_connector:
             families += [self._kv_fetch_by_stage(ranks), *self._nixl_counters(ranks)]
         return families
+
+    def _step_counters(self, ranks: list[tuple[dict[str, str], RankStats]]) -> list[Metric]:
+        """The counters vLLM records with every engine step's stats."""
+        return [
+            _family(
+                CounterMetricFamily,
+                "vllm:prompt_tokens",
+                "Prefill tokens processed.",
+                [(labels, s.prompt_tokens) for labels, s in ranks],
+            ),
+            _family(
+                CounterMetricFamily,
+                "vllm:generation_tokens",
+                "Tokens generated.",
+                [(labels, s.generated_tokens) for labels, s in ranks],
+            ),
+            self._iteration_tokens(ranks),
+        ]
 
     @staticmethod
     def _iteration_tokens(ranks: list[tuple[dict[str, str], RankStats]]) -> Metric:

@@ -202,8 +202,17 @@ def apply_canary(
         suspected,
         ep.progress.quiet_since,
         result.finished - baseline.at if baseline is not None else 0.0,
+        stepwise=end.stepwise if end is not None else ep.progress.stepwise,
+        other_work=end is not None and _others_in_flight(end) > 0,
+        moved_lately=ep.progress.moved_since(result.finished - policy.liveness_window),
     )
     return replace(ep, canary=on_canary(ep.canary, result, policy, evidence))
+
+
+def _others_in_flight(sample: ProgressSample) -> float:
+    """Requests in flight at a read besides the sidecar's own canaries then."""
+    own = max(0, sample.canaries_sent - sample.canaries_done)
+    return (sample.in_flight or 0.0) - own
 
 
 def apply_sample(

@@ -34,6 +34,8 @@ class OpenAIProber(Prober):
             GENERATION: series("llamacpp:tokens_predicted_total"),
             STEPS: series("llamacpp:n_decode_total"),
         },
+        # llama_decode calls; its token totals are added as each request ends.
+        per_step=frozenset({STEPS}),
     )
     keeps_abandoned: ClassVar[bool] = True
     # "Say OK." is a few tokens in any tokenizer, with BOS and a chat template at most 16.

@@ -74,6 +74,9 @@ class SglangProber(Prober):
             STEPS: series("sglang:cuda_graph_passes_total"),
             COMPLETED: series("sglang:num_requests_total"),
         },
+        # The schedulers' counters, with every batch (SGLang 0.5.23 has realtime_tokens_total;
+        # an older one only the tokenizer manager's, which move as requests complete).
+        per_step=frozenset({PROMPT, GENERATION, STEPS}),
     )
 
     def __init__(self, bootstrap_port: int = 8998) -> None:

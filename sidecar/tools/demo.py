@@ -1,13 +1,16 @@
 """``health-sidecar demo``: see the sidecar work in one command.
 
 Reads the configuration as ``serve`` does (environment, then ``--env-file``), with demo defaults
-for what neither sets: canaries on, a short wait. Uses the engine at SIDECAR_ENGINE_URL when one
-answers there; otherwise starts the bundled fake engine of the configured backend and role
-(``python -m fakeengine``) on a free loopback port, and ends it on exit.
+for what neither sets: canaries on, shorter timings than serve's (it says both). Uses the engine
+at SIDECAR_ENGINE_URL when one of the configured backend answers there (its model list names a
+model, or its registration route, the sidecar's, answers 200); otherwise, and when some other
+server answers there (it says so), starts the bundled fake engine of the configured backend and
+role (``python -m fakeengine``) on a free loopback port, and ends it on exit.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import importlib.util
 import os
@@ -18,11 +21,13 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
 from sidecar.config import Settings
+from sidecar.probes import plan_canary
 
 LOOPBACK = "127.0.0.1"
 DEMO_DEFAULTS = {
@@ -54,19 +59,96 @@ def demo_defaults() -> dict[str, str]:
     return DEMO_DEFAULTS | {"DYN_SYSTEM_PORT": str(9090 if port_free(9090) else free_port())}
 
 
-def _engine_answers(url: str) -> bool:
+MODELS_PATH = "/v1/models"
+LOOK_TIMEOUT = 1.0  # seconds each route may take to answer the demo's look
+
+
+@dataclass(frozen=True)
+class Found:
+    """What answers at the engine's URL: an engine of the configured backend or not, and what each
+    route looked at answered (none: nothing answers there)."""
+
+    engine: bool
+    answers: tuple[str, ...]
+
+
+async def look_for_engine(client: httpx.AsyncClient, registration: str) -> Found:
+    """Whether the server behind ``client`` answers as an engine: its model list names a model
+    (GET /v1/models, as the sidecar finds the served model), or its registration route (the
+    prober's, as the sidecar checks it) answers 200. Any other answer is some other server."""
+    answers: list[str] = []
+    for path in dict.fromkeys((MODELS_PATH, registration)):
+        try:
+            response = await client.get(path)
+        except httpx.TimeoutException:
+            answers.append(f"GET {path}: no answer within {LOOK_TIMEOUT:g} s")
+            continue
+        except httpx.HTTPError as exc:
+            if not answers:  # nothing listens (or nothing reachable): no server there at all
+                return Found(False, ())
+            answers.append(f"GET {path}: {type(exc).__name__}")
+            continue
+        if path == MODELS_PATH and response.status_code == 200:
+            if _model_id(response) is not None:
+                return Found(True, (*answers, f"GET {path} lists a model"))
+            answers.append(f"GET {path} -> 200 without a model id")
+        elif path == registration and response.status_code == 200:
+            return Found(True, (*answers, f"GET {path} -> 200"))
+        else:
+            answers.append(f"GET {path} -> {response.status_code}")
+    return Found(False, tuple(answers))
+
+
+def _model_id(response: httpx.Response) -> str | None:
     try:
-        with httpx.Client(timeout=1.0, trust_env=False) as client:
-            return client.get(f"{url.rstrip('/')}/v1/models").status_code < 500
-    except httpx.HTTPError:
-        return False
+        model = response.json()["data"][0]["id"]
+    except (ValueError, LookupError, TypeError):
+        return None
+    return model if isinstance(model, str) and model else None
+
+
+def _look(url: str, registration: str) -> Found:
+    async def look() -> Found:
+        client = httpx.AsyncClient(base_url=url, timeout=LOOK_TIMEOUT, trust_env=False)
+        async with client:
+            return await look_for_engine(client, registration)
+
+    return asyncio.run(look())
+
+
+def timings(settings: Settings) -> str:
+    """The demo's timings, against serve's defaults, and the bounds they make (from the policy's
+    own sums: sidecar/core/evidence/policy.py)."""
+    names = ("canary_wait_time", "request_timeout", "liveness_window")
+    serve = [Settings.model_fields[name].default for name in names]
+    ours = [getattr(settings, name) for name in names]
+    demo = [float(DEMO_DEFAULTS[str(Settings.model_fields[n].validation_alias)]) for n in names]
+    which = "demo defaults" if ours == demo else "as configured"
+    head = (
+        f"demo: timings ({which}; serve's defaults: a canary every {serve[0]:g} s, "
+        f"{serve[1]:g} s timeout, {serve[2]:g} s liveness window):"
+    )
+    policy = settings.policy()
+    plan = plan_canary(settings.canary_config())
+    if not plan.enabled:
+        return (
+            f"{head}\n  no canary ({plan.why}): the engine's health route is checked every "
+            f"{settings.registration_interval:g} s with a {settings.request_timeout:g} s "
+            "timeout; a hang behind its 200 is not seen"
+        )
+    wait, timeout, window = ours
+    return (
+        f"{head}\n  a canary every {wait:g} s when ready, {timeout:g} s timeout; notready within "
+        f"{policy.to_notready().seconds:g} s of a hang, /live fails within "
+        f"{policy.to_notlive().seconds:g} s ({window:g} s liveness window)"
+    )
 
 
 @contextlib.contextmanager
 def _fake_engine(backend: str, mode: str) -> Iterator[str]:
     if importlib.util.find_spec("fakeengine") is None:  # the image installs the sidecar alone
         raise SystemExit(
-            "health-sidecar demo: no engine answers and the fake engine is not installed "
+            "health-sidecar demo: no engine to use, and the fake engine is not installed "
             "(pip install -e . from a clone has it)"
         )
     # The port file's folder goes with the fake engine: removed once the engine has ended.
@@ -93,19 +175,28 @@ def _fake_engine(backend: str, mode: str) -> Iterator[str]:
 
 
 def run(settings: Settings) -> int:
+    from sidecar.wiring import registration_path
     from sidecar.wiring import run as serve
 
     base = f"http://{settings.system_host}:{settings.system_port}"
+    registration = registration_path(settings, plan_canary(settings.canary_config()))
+    found = _look(settings.engine_url, registration)
     with contextlib.ExitStack() as stack:
         hint = ""
-        if _engine_answers(settings.engine_url):
-            print(f"demo: using the engine that answers at {settings.engine_url}")
-        else:
-            backend, mode = settings.backend.value, settings.disaggregation_mode.value
+        backend, mode = settings.backend.value, settings.disaggregation_mode.value
+        if found.engine:
             print(
-                f"demo: no engine answers at {settings.engine_url}; starting the fake {backend} "
-                f"engine ({mode})"
+                f"demo: using the {backend} engine that answers at {settings.engine_url} "
+                f"({found.answers[-1]})"
             )
+        else:
+            where = (
+                f"{settings.engine_url} answers, but not as a {backend} engine "
+                f"({', '.join(found.answers)})"
+                if found.answers
+                else f"no engine answers at {settings.engine_url}"
+            )
+            print(f"demo: {where}; starting the fake {backend} engine ({mode})")
             url = stack.enter_context(_fake_engine(backend, mode))
             settings = settings.model_copy(update={"engine_url": url})
             fault = f"curl -s -X POST {url}/_fake/fault -H 'Content-Type: application/json'"
@@ -115,7 +206,8 @@ def run(settings: Settings) -> int:
             )
         print(
             f"demo: sidecar on {base} (Ctrl-C to stop). Try:\n"
-            f"  curl -s {base}/health\n  curl -s {base}/live\n  curl -s {base}/metrics\n{hint}",
+            f"  curl -s {base}/health\n  curl -s {base}/live\n  curl -s {base}/metrics\n{hint}"
+            f"{timings(settings)}",
             flush=True,
         )
         return serve(settings)

@@ -9,6 +9,7 @@ from typing import Any
 
 from sidecar.config import DiscoveryBackend, Settings, Transport
 from sidecar.core.endpoint import asks_engine_http
+from sidecar.core.evidence.progress import ProgressSpec
 from sidecar.core.verdict import RULE_TEXT, Cause, Rule, liveness_causes
 from sidecar.probes import CanaryPlan, plan_canary
 
@@ -49,7 +50,6 @@ def _progress_lines(plan: CanaryPlan, s: Settings) -> list[str]:
         return [f"progress       engine metrics not read ({why})"]
     spec = plan.prober.progress
     path = s.metrics_path or spec.path
-    policy = s.policy()
     counters = ", ".join(
         f"{category} {' | '.join(map(str, names))}" for category, names in spec.counters.items()
     )
@@ -63,6 +63,26 @@ def _progress_lines(plan: CanaryPlan, s: Settings) -> list[str]:
         "  holds        routine canaries while the endpoint is ready and work is in flight",
         "  excuses      a canary timeout when counters moved beyond the canary's own tokens "
         "(not counted)",
+        *_stall_lines(spec, s),
+    ]
+
+
+def _stall_lines(spec: ProgressSpec, s: Settings) -> list[str]:
+    """The stall rule: on only with a counter that moves at every engine step."""
+    policy = s.policy()
+    steps = ", ".join(map(str, spec.step_series()))
+    blind = (
+        "a canary timeout behind requests in flight is load (not counted) while any counter "
+        f"moved within {s.liveness_window:g} s (SIDECAR_LIVENESS_WINDOW); after a whole window "
+        "with none moving it counts"
+    )
+    if not steps:
+        return [
+            f"  stall rule   off: {s.backend} has no counter known to move at every step; {blind}"
+        ]
+    return [
+        f"  per step     {steps}: the stall rule needs one of them; an engine that publishes "
+        f"none (an older version) gets none, and the first log line says so: {blind}",
         f"  suspects     a stall after {policy.suspect_after:g} s of work in flight with quiet "
         "counters, and sends a canary to confirm it: a timeout with no progress since it left "
         'is notready "stalled"; a pass clears it',

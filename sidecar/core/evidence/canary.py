@@ -11,6 +11,12 @@ engine's counters do. A timeout is weighed against the engine's progress measure
   cover of at least half the timeout: the engine held work (the canary, at least) and did not
   compute; a hang confirmed by the metrics, notready at once, "stalled" when the canary was sent
   to confirm a stall suspicion;
+- but where the engine publishes no counter that moves at every step (only counters that move
+  as requests complete: an older SGLang, another server), quiet counters prove nothing while
+  other requests are in flight: long requests leave them quiet on a healthy engine. Such a
+  timeout is load, not counted, as long as a counter moved within the liveness window; after a
+  whole window with none moving, it counts as an ordinary failure (a hang under load is still
+  found, a window later);
 - the metrics cannot tell: an ordinary failure.
 """
 
@@ -34,6 +40,12 @@ class TimeoutEvidence:
     # saturated engine's metrics route can answer late, and counters compared over a moment
     # prove nothing (vLLM's advance in bursts under load).
     span: float = 0.0
+    # The engine publishes a counter that moves at every step (progress.ProgressSpec.per_step).
+    stepwise: bool = True
+    # Requests besides the sidecar's canaries were in flight at the end.
+    other_work: bool = False
+    # A counter moved within the liveness window before the canary ended.
+    moved_lately: bool = False
 
 
 NO_EVIDENCE = TimeoutEvidence(None)
@@ -114,14 +126,26 @@ def on_canary(
             next_due=result.finished + (policy.wait if ready else policy.retry),
         )
     timeout = result.outcome is Outcome.TIMEOUT
-    if timeout and evidence.foreign_progress:
-        # Queued behind real work while the engine kept computing: busy, not hung.
+    blind = (
+        timeout
+        and evidence.foreign_progress is False
+        and not evidence.stepwise
+        and evidence.other_work
+    )
+    if timeout and (evidence.foreign_progress or (blind and evidence.moved_lately)):
+        # Queued behind real work while the engine kept computing: busy, not hung. (Blind: no
+        # per-step counter, and long requests leave the others quiet on a healthy engine.)
+        behind = (
+            "canary timed out behind other work while the engine progressed (not counted)"
+            if evidence.foreign_progress
+            else "canary timed out behind requests in flight; the engine publishes no per-step "
+            f"counter, so this is load while its counters moved within {policy.liveness_window:g} "
+            "s (not counted)"
+        )
         return replace(
             state,
             last=result,
-            reason=state.reason
-            if state.ready
-            else "canary timed out behind other work while the engine progressed (not counted)",
+            reason=state.reason if state.ready else behind,
             hard_since=None,
             stall_since=None,
             next_due=result.finished
@@ -134,7 +158,8 @@ def on_canary(
     # The engine holds at least the canary itself: gauges published by the stuck loop (vLLM's
     # scheduler) freeze at what they said before, often 0.
     held = evidence.in_flight or 0.0
-    if timeout and evidence.foreign_progress is False and evidence.span >= policy.timeout / 2:
+    confirmed = not blind and evidence.span >= policy.timeout / 2
+    if timeout and evidence.foreign_progress is False and confirmed:
         # The engine held work and nothing moved while the canary waited: a hang, confirmed.
         ready = False
         failures = max(failures, policy.failure_threshold)

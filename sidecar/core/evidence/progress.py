@@ -64,6 +64,13 @@ class ProgressSpec:
     counters: Mapping[str, tuple[Series, ...]]  # category -> totals that advance with work
     # Requests waiting on something outside the engine (a KV transfer from a prefill peer).
     peer_wait: tuple[Series, ...] = ()
+    # The categories whose counters move at every engine step (a decode step, a batch), not only
+    # when a request completes: only they can tell a busy engine from a stuck one while long
+    # requests run. An engine that publishes none of them gets no stall rule.
+    per_step: frozenset[str] = frozenset()
+
+    def step_series(self) -> tuple[Series, ...]:
+        return tuple(s for c in CATEGORIES if c in self.per_step for s in self.counters.get(c, ()))
 
     def scoped(self, label: str | None, value: str) -> ProgressSpec:
         """Every series restricted to one value of ``label`` (one data-parallel rank)."""
@@ -104,6 +111,8 @@ class ProgressSample:
     # ran.
     canaries_sent: int = 0
     canaries_done: int = 0
+    # A counter that moves at every engine step was published (ProgressSpec.per_step).
+    stepwise: bool = False
 
 
 class MetricsUnreadable(ValueError):
@@ -198,7 +207,11 @@ def read_progress(
     running, waiting = totals.get("running"), totals.get("waiting")
     in_flight = None if running is None and waiting is None else (running or 0.0) + (waiting or 0.0)
     counters = {c: totals[c] for c in CATEGORIES if c in totals}
-    return ProgressSample(at, wall, in_flight, counters, totals.get("peer_wait"), found, *canaries)
+    stepwise = any(c in counters for c in spec.per_step)
+    sent, done = canaries
+    return ProgressSample(
+        at, wall, in_flight, counters, totals.get("peer_wait"), found, sent, done, stepwise
+    )
 
 
 def ranks_in(text: str | Exposition, gauges: tuple[Series, ...], label: str) -> tuple[int, ...]:
@@ -236,6 +249,13 @@ class ProgressState:
     last_advance_at: float | None = None  # monotonic time of the read that showed an advance
     last_advance_wall: float | None = None
     missed: int = 0  # consecutive reads that failed since the last good one
+    watched_since: float | None = None  # the first readable read of this incarnation
+
+    def moved_since(self, since: float) -> bool:
+        """A counter advanced at or after ``since``, or the metrics were first read then (a fresh
+        engine has had no time to move them)."""
+        seen = [t for t in (self.last_advance_at, self.watched_since) if t is not None]
+        return max(seen, default=-math.inf) >= since
 
     @property
     def in_flight(self) -> float | None:
@@ -244,6 +264,13 @@ class ProgressState:
     @property
     def busy(self) -> bool:
         return bool(self.in_flight)
+
+    @property
+    def stepwise(self) -> bool:
+        """The engine publishes a counter that moves at every step: quiet counters with work in
+        flight can be a stall. Without one (only counters that move as requests complete), a
+        busy engine running long requests looks the same as a stuck one: no stall rule."""
+        return self.readable and self.latest is not None and self.latest.stepwise
 
     def quiet_for(self, now: float) -> float:
         """Seconds work has sat in flight with no counter advancing (0 when idle or unknown)."""
@@ -309,15 +336,19 @@ def on_sample(
     previous = state.latest if state.readable else None
     canaries = sample.canaries_sent - previous.canaries_done if previous is not None else 0
     advanced = _advanced(previous, sample, own or CanaryCost({}), canaries)
-    changes: dict[str, object] = {
-        "readable": True,
-        "why": f"reading {', '.join(sample.found)}",
-        "latest": sample,
-        "missed": 0,
-    }
+    why = f"reading {', '.join(sample.found)}"
+    if not sample.stepwise:
+        steps = ", ".join(map(str, spec.step_series())) or "none known for this backend"
+        why += (
+            f"; no counter that moves at every engine step ({steps}): requests in flight with "
+            "quiet counters are not taken for a stall (the stall rule is off)"
+        )
+    changes: dict[str, object] = {"readable": True, "why": why, "latest": sample, "missed": 0}
+    if state.watched_since is None:
+        changes["watched_since"] = sample.at
     if advanced:
         changes |= {"last_advance_at": sample.at, "last_advance_wall": sample.wall}
-    if not sample.in_flight:
+    if not sample.in_flight or not sample.stepwise:
         changes["quiet_since"] = None
     elif advanced or advanced is None or state.quiet_since is None:
         changes["quiet_since"] = sample.at

@@ -64,6 +64,8 @@ def dynamo_progress(endpoint: str) -> ProgressSpec:
             GENERATION: (Series("dynamo_component_response_bytes_total", labels),),
             COMPLETED: (Series("dynamo_component_request_duration_seconds_count", labels),),
         },
+        # Response bytes are counted as each chunk (a token) streams out.
+        per_step=frozenset({GENERATION}),
     )
 
 
