@@ -49,6 +49,7 @@ from sidecar.surface.metrics import Metrics
 if TYPE_CHECKING:
     import httpx
 
+    from sidecar.runtime.grpcregistration import GrpcRegistration
     from sidecar.runtime.requestplane.worker import DynamoWorker
 
 log = logging.getLogger("sidecar")
@@ -135,68 +136,97 @@ async def monitor_main(
     private_dir: str | None = None,
     connect: Connect | None = None,
 ) -> None:
-    """Build the monitor's I/O parts on its own loop, run it until cancelled, then close them."""
+    """Build the monitor's I/O parts on its own loop, run it until cancelled, then close them
+    (each pushed on the stack as it is made: closed in the reverse order, the probes before the
+    clients they send through)."""
     plan = plans[next(iter(plans))]
-    key = settings.engine_api_key.get_secret_value() if settings.engine_api_key else None
-    clock = health.clock
-
-    def client(url: str, timeout: float) -> EngineClient:
-        return EngineClient(
-            url,
-            timeout=timeout,
-            max_bytes=settings.max_response_bytes,
-            api_key=key,
-            clock=clock,
-            transport=connect(url) if connect is not None else None,
-        )
-
+    clients = _Clients(settings, health.clock, connect)
     async with contextlib.AsyncExitStack() as stack:
-        engine = client(settings.engine_url, settings.request_timeout)
-        stack.push_async_callback(engine.aclose)
-        probes: dict[ProbeKind, Probe] = {
-            ProbeKind.HTTP: HttpCanary(engine, timeout=settings.request_timeout, clock=clock)
-        }
+        engine = clients.make(stack, settings.engine_url, settings.request_timeout)
         worker = None
         if settings.transport is Transport.DYNAMO:
-            worker = await _dynamo_worker(settings, engine, plan, stack, clock, private_dir)
-            probes[ProbeKind.DYNAMO] = DynamoCanary(worker, timeout=settings.request_timeout)
-        if settings.kv_peer_url is not None:
-            timeout = settings.kv_probe_timeout
-            peer, local = (
-                client(settings.kv_peer_url, timeout),
-                client(settings.engine_url, timeout),
-            )
-            stack.push_async_callback(peer.aclose)
-            stack.push_async_callback(local.aclose)
-            probes[ProbeKind.TRANSFER] = TransferProbe(
-                peer,
-                local,
-                timeout=timeout,
-                prompt_tokens=settings.kv_probe_prompt_tokens,
-                clock=clock,
-            )
-        for probe in probes.values():  # closed before the clients they send through
-            stack.push_async_callback(probe.aclose)
-        grpc_registration = None
-        target = settings.grpc_registration
-        if target is not None:
-            from sidecar.runtime.grpcregistration import GrpcRegistration
-
-            grpc_registration = GrpcRegistration(
-                target,
-                timeout=settings.request_timeout,
-                interval=settings.registration_interval,
-                clock=clock,
-            )
-            stack.push_async_callback(grpc_registration.aclose)
+            worker = await _dynamo_worker(settings, engine, plan, stack, health.clock, private_dir)
+        probes = _probes(settings, clients, stack, engine, worker, health.clock)
         monitor = Monitor(
             health,
-            EngineParts(engine, probes, worker, grpc_registration),
+            EngineParts(engine, probes, worker, _grpc_registration(settings, stack, health.clock)),
             plans,
             settings.timing(plan.enabled),
             Routes(registration_path(settings, plan), settings.metrics_path),
         )
         await monitor.run()
+
+
+class _Clients:
+    """Engine clients as the settings make them, each closed by the stack it is pushed on."""
+
+    def __init__(
+        self, settings: Settings, clock: Callable[[], float], connect: Connect | None
+    ) -> None:
+        self.settings, self.clock, self.connect = settings, clock, connect
+        key = settings.engine_api_key
+        self.key = key.get_secret_value() if key else None
+
+    def make(self, stack: contextlib.AsyncExitStack, url: str, timeout: float) -> EngineClient:
+        client = EngineClient(
+            url,
+            timeout=timeout,
+            max_bytes=self.settings.max_response_bytes,
+            api_key=self.key,
+            clock=self.clock,
+            transport=self.connect(url) if self.connect is not None else None,
+        )
+        stack.push_async_callback(client.aclose)
+        return client
+
+
+def _probes(
+    settings: Settings,
+    clients: _Clients,
+    stack: contextlib.AsyncExitStack,
+    engine: EngineClient,
+    worker: DynamoWorker | None,
+    clock: Callable[[], float],
+) -> dict[ProbeKind, Probe]:
+    """One probe per kind the configuration uses (sidecar.probes.kinds)."""
+    timeout = settings.request_timeout
+    probes: dict[ProbeKind, Probe] = {
+        ProbeKind.HTTP: HttpCanary(engine, timeout=timeout, clock=clock)
+    }
+    if worker is not None:
+        probes[ProbeKind.DYNAMO] = DynamoCanary(worker, timeout=timeout)
+    if settings.kv_peer_url is not None:
+        kv_timeout = settings.kv_probe_timeout
+        probes[ProbeKind.TRANSFER] = TransferProbe(
+            clients.make(stack, settings.kv_peer_url, kv_timeout),
+            clients.make(stack, settings.engine_url, kv_timeout),
+            timeout=kv_timeout,
+            prompt_tokens=settings.kv_probe_prompt_tokens,
+            clock=clock,
+        )
+    for probe in probes.values():
+        stack.push_async_callback(probe.aclose)
+    return probes
+
+
+def _grpc_registration(
+    settings: Settings, stack: contextlib.AsyncExitStack, clock: Callable[[], float]
+) -> GrpcRegistration | None:
+    """SIDECAR_REGISTRATION's check of the engine's gRPC health service, when set (grpcio is
+    imported only then)."""
+    target = settings.grpc_registration
+    if target is None:
+        return None
+    from sidecar.runtime.grpcregistration import GrpcRegistration
+
+    check = GrpcRegistration(
+        target,
+        timeout=settings.request_timeout,
+        interval=settings.registration_interval,
+        clock=clock,
+    )
+    stack.push_async_callback(check.aclose)
+    return check
 
 
 async def _dynamo_worker(

@@ -106,51 +106,67 @@ def check_answer(state: CanaryState, result: Result, policy: Policy) -> Result:
 def on_canary(
     state: CanaryState, result: Result, policy: Policy, evidence: TimeoutEvidence = NO_EVIDENCE
 ) -> CanaryState:
+    """One canary's result: a pass, a timeout that was load (not counted), or a failure."""
     if result.ok:
-        successes = state.successes + 1
-        ready = bool(state.ready) or successes >= policy.success_threshold
-        reason = f"canary passed in {result.latency * 1000:.0f} ms"
-        if not ready:
-            reason += f" ({successes} of {policy.success_threshold} passes needed)"
-        return CanaryState(
-            reference=state.reference
-            if state.reference is not None or not policy.check_answer
-            else result.answer,
-            ready=ready,
-            proven=True,
-            successes=successes,
-            last=result,
-            reason=reason,
-            last_pass_at=result.finished,
-            last_success_wall=result.wall_time,
-            next_due=result.finished + (policy.wait if ready else policy.retry),
-        )
-    timeout = result.outcome is Outcome.TIMEOUT
-    blind = (
-        timeout
-        and evidence.foreign_progress is False
-        and not evidence.stepwise
-        and evidence.other_work
-    )
-    if timeout and (evidence.foreign_progress or (blind and evidence.moved_lately)):
-        # Queued behind real work while the engine kept computing: busy, not hung. (Blind: no
-        # per-step counter, and long requests leave the others quiet on a healthy engine.)
-        behind = (
-            "canary timed out behind other work while the engine progressed (not counted)"
-            if evidence.foreign_progress
-            else "canary timed out behind requests in flight; the engine publishes no per-step "
-            f"counter, so this is load while its counters moved within {policy.liveness_window:g} "
-            "s (not counted)"
-        )
+        return _passed(state, result, policy)
+    load = _load(evidence) if result.outcome is Outcome.TIMEOUT else None
+    if load is not None:
         return replace(
             state,
             last=result,
-            reason=state.reason if state.ready else behind,
+            reason=state.reason if state.ready else load,
             hard_since=None,
             stall_since=None,
             next_due=result.finished
             + (policy.wait if state.ready and not state.failures else policy.retry),
         )
+    return _failed(state, result, policy, evidence)
+
+
+def _passed(state: CanaryState, result: Result, policy: Policy) -> CanaryState:
+    successes = state.successes + 1
+    ready = bool(state.ready) or successes >= policy.success_threshold
+    reason = f"canary passed in {result.latency * 1000:.0f} ms"
+    if not ready:
+        reason += f" ({successes} of {policy.success_threshold} passes needed)"
+    return CanaryState(
+        reference=state.reference
+        if state.reference is not None or not policy.check_answer
+        else result.answer,
+        ready=ready,
+        proven=True,
+        successes=successes,
+        last=result,
+        reason=reason,
+        last_pass_at=result.finished,
+        last_success_wall=result.wall_time,
+        next_due=result.finished + (policy.wait if ready else policy.retry),
+    )
+
+
+def _blind(evidence: TimeoutEvidence) -> bool:
+    """Nothing moved while other requests were in flight, on an engine with no per-step counter:
+    long requests leave such counters quiet on a healthy engine, so this proves nothing."""
+    return evidence.foreign_progress is False and not evidence.stepwise and evidence.other_work
+
+
+def _load(evidence: TimeoutEvidence) -> str | None:
+    """Why a timeout is load and not counted, or None: the canary queued behind real work while
+    the engine kept computing; or, blind, while its counters moved within the liveness window."""
+    if evidence.foreign_progress:
+        return "canary timed out behind other work while the engine progressed (not counted)"
+    if _blind(evidence) and evidence.moved_lately:
+        return (
+            "canary timed out behind requests in flight; the engine publishes no per-step "
+            "counter, so this is load while its counters moved within the liveness window (not "
+            "counted)"
+        )
+    return None
+
+
+def _failed(
+    state: CanaryState, result: Result, policy: Policy, evidence: TimeoutEvidence
+) -> CanaryState:
     failures = state.failures + 1
     ready = bool(state.ready) and failures < policy.failure_threshold
     reason = f"canary {result.outcome}: {result.reason}"
@@ -158,8 +174,13 @@ def on_canary(
     # The engine holds at least the canary itself: gauges published by the stuck loop (vLLM's
     # scheduler) freeze at what they said before, often 0.
     held = evidence.in_flight or 0.0
-    confirmed = not blind and evidence.span >= policy.timeout / 2
-    if timeout and evidence.foreign_progress is False and confirmed:
+    confirmed = (
+        result.outcome is Outcome.TIMEOUT
+        and evidence.foreign_progress is False
+        and not _blind(evidence)
+        and evidence.span >= policy.timeout / 2
+    )
+    if confirmed:
         # The engine held work and nothing moved while the canary waited: a hang, confirmed.
         ready = False
         failures = max(failures, policy.failure_threshold)
