@@ -18,13 +18,15 @@ def admin_router(state: EngineState) -> APIRouter:
 
     @router.post("/fault")
     async def set_fault(update: Faults) -> dict[str, Any]:
-        """Merge the given fields into the current faults; omitted fields keep their value."""
+        """Merge the given fields into the current faults; omitted fields keep their value. The
+        answer is the fields set, as they now are (GET /_fake/fault shows every fault)."""
         outside = [rank for rank in update.hang_ranks if rank >= state.dp_size]
         if outside:
             raise HTTPException(
                 422, f"hang_ranks {outside}: the engine has ranks [0, {state.dp_size})"
             )
-        return state.update_faults(update.model_dump(include=update.model_fields_set)).model_dump()
+        changed = update.model_fields_set
+        return state.update_faults(update.model_dump(include=changed)).model_dump(include=changed)
 
     @router.post("/reset")
     async def reset() -> dict[str, Any]:

@@ -2,16 +2,30 @@
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import json
 import re
 import signal
 import subprocess
 import sys
+import threading
+from collections.abc import Callable, Iterator
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
-from tests.support.harness import LOOPBACK, Proc, base_env, free_port, wait_until
+from sidecar.probes import CanaryConfig, prober_for
+from sidecar.probes.role import Backend, Mode, ModelType, Role
+from sidecar.tools import demo as demo_tool
+from tests.support.configured import settings_from
+from tests.support.harness import LOOPBACK, ROOT, Proc, base_env, free_port, wait_until
+from tests.support.inprocess import EngineLink
+
+WHY_503 = ROOT / "docs" / "operate" / "why-503.md"
 
 
 def start_demo(env: dict[str, str], *argv: str) -> tuple[Proc, str]:
@@ -36,15 +50,21 @@ def start_demo(env: dict[str, str], *argv: str) -> tuple[Proc, str]:
     return demo, url
 
 
-def test_demo_starts_a_fake_engine_goes_ready_and_ends_it_on_ctrl_c():
+@pytest.mark.process
+def test_demo_starts_a_fake_engine_goes_ready_and_ends_it_on_ctrl_c(tmp_path):
+    """It also leaves nothing in the temporary directory: the fake engine's folder goes with it."""
     nothing_there = f"http://{LOOPBACK}:{free_port()}"
-    demo, url = start_demo({"SIDECAR_ENGINE_URL": nothing_there})
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    demo, url = start_demo({"SIDECAR_ENGINE_URL": nothing_there, "TMPDIR": str(temp)})
     try:
         engine = re.search(r"fakeengine listening on (http://\S+)", demo.output())
         assert engine is not None, demo.output()
         assert f"curl -s {url}/health" in demo.output()
+        assert [p.name[:20] for p in temp.iterdir()] == ["health-sidecar-demo-"]
         demo.popen.send_signal(signal.SIGINT)  # Ctrl-C: exit now (SIGTERM would drain)
         assert demo.popen.wait(10) == 0
+        assert not list(temp.iterdir())
         try:
             httpx.get(f"{engine[1]}/health", timeout=1, trust_env=False)
         except httpx.ConnectError:
@@ -55,6 +75,7 @@ def test_demo_starts_a_fake_engine_goes_ready_and_ends_it_on_ctrl_c():
         demo.stop()
 
 
+@pytest.mark.process
 def test_demo_honours_the_env_file_and_starts_the_configured_fake_engine(tmp_path):
     """``health-sidecar --env-file F demo``: the file's backend and role pick the fake engine, and
     its values win over the demo's defaults (the environment wins over both)."""
@@ -100,6 +121,7 @@ def shell(command: str) -> str:
     return done.stdout
 
 
+@pytest.mark.process
 def test_the_commands_the_demo_prints_work_when_pasted():
     nothing_there = f"http://{LOOPBACK}:{free_port()}"
     quick = {"DYN_CANARY_WAIT_TIME": "1", "DYN_HEALTH_CHECK_REQUEST_TIMEOUT": "0.5"}
@@ -120,8 +142,19 @@ def test_the_commands_the_demo_prints_work_when_pasted():
         def status() -> str:
             return json.loads(shell(commands[f"{url}/health"]))["status"]
 
-        shell(commands["hang the engine's GPU loop"])
-        wait_until(lambda: status() == "notready", 5, interval=0.1, what="notready after the hang")
+        # The demo says how soon a hang shows (these settings are not its defaults), and it does.
+        said = re.search(r"notready within (\d+(?:\.\d+)?) s of a hang", demo.output())
+        assert said is not None, demo.output()
+        assert "timings (as configured;" in demo.output()
+        bound = float(said[1])
+        assert bound == 1 + 1 + 1 + 0.5  # wait + retry + (failures - 1) x timeout + timeout
+        assert shell(commands["hang the engine's GPU loop"]) == '{"hang_generation":true}'
+        # + 1.5 s: the polls are shell commands, each a bash and a curl.
+        wait_until(lambda: status() == "notready", bound + 1.5, interval=0.1, what="the hang seen")
+        # What a newcomer then reads in /health is in why-503.md's table of reasons.
+        reason = json.loads(shell(commands[f"{url}/health"]))["reason"]
+        assert reason.startswith("generate: canary timeout: "), reason
+        assert any(reason.startswith(prefix) for prefix in documented_reasons()), reason
         shell(commands["and release it"])
         wait_until(lambda: status() == "ready", 5, interval=0.1, what="ready after the release")
     finally:
@@ -132,3 +165,141 @@ def test_the_commands_the_demo_prints_work_when_pasted():
     assert engine is not None
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{engine[1]}/health", timeout=1, trust_env=False)
+
+
+def documented_reasons() -> list[str]:
+    """What each row of why-503.md's "Reading `reason`" table says a reason starts with (its
+    first code span, up to a "...")."""
+    section = WHY_503.read_text("utf-8").split("## Reading `reason`", 1)[1]
+    rows = re.findall(r"^\| `([^`]+)`", section, re.M)
+    return [row.split("...")[0].rstrip() for row in rows]
+
+
+# --- which engine the demo uses --------------------------------------------------------------
+
+
+class QuietFileServer(SimpleHTTPRequestHandler):
+    """``python3 -m http.server``'s handler, without its log lines."""
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def file_server(tmp_path: Path) -> Iterator[str]:
+    """An HTTP server that is no engine: ``python3 -m http.server`` in a thread, serving an
+    empty folder (404 for /v1/models and /health)."""
+    folder = tmp_path / "served"
+    folder.mkdir()
+    handler = functools.partial(QuietFileServer, directory=str(folder))
+    server = ThreadingHTTPServer((LOOPBACK, 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://{LOOPBACK}:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+
+@pytest.mark.process
+def test_the_demo_starts_its_fake_engine_beside_a_server_that_is_no_engine(file_server):
+    """``python3 -m http.server 8000`` is not taken for the engine: the demo says why, starts its
+    fake engine on a port of its own, prints the fault commands and goes ready."""
+    demo, url = start_demo({"SIDECAR_ENGINE_URL": file_server})
+    try:
+        output = demo.output()
+        assert (
+            f"demo: {file_server} answers, but not as a vllm engine (GET /v1/models -> 404, "
+            "GET /health -> 404); starting the fake vllm engine (aggregated)"
+        ) in output
+        engine = re.search(r"fakeengine listening on (http://\S+)", output)
+        assert engine is not None, output
+        assert engine[1] != file_server
+        assert "hang the engine's GPU loop" in printed_commands(output)
+        assert "using the engine" not in output
+        assert f"curl -s {url}/health" in output
+    finally:
+        demo.stop(sig=signal.SIGINT)
+
+
+def looked(
+    transport: Callable[[], httpx.AsyncBaseTransport], registration: str = "/health"
+) -> demo_tool.Found:
+    """What the demo finds behind ``transport`` (made inside the loop), its registration route
+    ``registration``."""
+
+    async def look() -> demo_tool.Found:
+        client = httpx.AsyncClient(transport=transport(), base_url="http://engine:8000")
+        async with client:
+            return await demo_tool.look_for_engine(client, registration)
+
+    return asyncio.run(look())
+
+
+def answering(status: int, body: bytes = b"") -> Callable[[], httpx.AsyncBaseTransport]:
+    return lambda: httpx.MockTransport(lambda request: httpx.Response(status, content=body))
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("backend", [b.value for b in Backend])
+def test_the_demo_uses_an_engine_of_the_configured_backend(backend: str):
+    """Each fake engine answers as its backend's prober expects: its registration route (the
+    sidecar's, from the prober) with 200, or its model list with a model id."""
+    role = Role(Mode.AGGREGATED, ModelType.TEXT)
+    registration = prober_for(CanaryConfig(Backend(backend), role)).registration_path
+    found = looked(lambda: EngineLink(backend), registration)
+    assert found.engine, found
+    assert found.answers
+
+
+@pytest.mark.unit
+def test_the_demo_says_what_a_server_that_is_no_engine_answered():
+    found = looked(answering(404, b"<html>File not found</html>"))
+    assert not found.engine
+    assert found.answers == ("GET /v1/models -> 404", "GET /health -> 404")
+    listless = looked(answering(200, b'{"object": "list", "data": []}'), "/v1/models")
+    assert not listless.engine
+    assert listless.answers == ("GET /v1/models -> 200 without a model id",)
+
+
+@pytest.mark.unit
+def test_the_demo_finds_nothing_where_nothing_listens():
+    def refuse(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("All connection attempts failed", request=request)
+
+    found = looked(lambda: httpx.MockTransport(refuse))
+    assert found == demo_tool.Found(engine=False, answers=())
+
+
+# --- what the demo says of its timings --------------------------------------------------------
+
+
+@pytest.mark.unit
+def test_the_demo_says_its_timings_and_serves(monkeypatch: pytest.MonkeyPatch):
+    """The demo's defaults are shorter than serve's; it says both, and the bound of a hang that
+    follows from them (wait 5 + retry 1 + 2 timeouts of 2 s: 10 s, not the 7 s one may time)."""
+    said = demo_tool.timings(settings_from(monkeypatch, **demo_tool.DEMO_DEFAULTS))
+    assert said.startswith("demo: timings (demo defaults; serve's defaults: a canary every 10 s, ")
+    assert "3 s timeout, 120 s liveness window)" in said
+    assert "a canary every 5 s when ready, 2 s timeout" in said
+    assert "notready within 10 s of a hang" in said
+    assert "/live fails within 36 s (30 s liveness window)" in said  # 5 + 1 + 30
+
+    configured = demo_tool.DEMO_DEFAULTS | {"DYN_CANARY_WAIT_TIME": "7"}
+    said = demo_tool.timings(settings_from(monkeypatch, **configured))
+    assert said.startswith("demo: timings (as configured; serve's defaults: ")
+    assert "a canary every 7 s when ready" in said
+    assert "notready within 12 s of a hang" in said
+
+
+@pytest.mark.unit
+def test_the_demo_says_when_no_canary_would_see_a_hang(monkeypatch: pytest.MonkeyPatch):
+    env = demo_tool.DEMO_DEFAULTS | {
+        "SIDECAR_DISAGGREGATION_MODE": "encode",
+        "SIDECAR_MODEL_TYPE": "multimodal",
+    }
+    said = demo_tool.timings(settings_from(monkeypatch, **env))
+    assert "no canary" in said
+    assert "a hang behind its 200 is not seen" in said

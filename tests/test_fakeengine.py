@@ -22,6 +22,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from sidecar.probes.transfer import REMOTE_DECODE
 
+pytestmark = pytest.mark.process
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 HOST = "127.0.0.1"
 START_TIMEOUT = 10.0
@@ -972,6 +974,17 @@ def test_injected_errors_dead_and_reset(vllm: Engine) -> None:
     assert vllm.get("/health").status_code == 200
     assert vllm.post("/v1/completions", completion()).status_code == 200
     assert vllm.post("/_fake/fault", {"garbage": "nonsense"}).status_code == 422
+
+
+def test_a_fault_answer_says_only_what_it_set(vllm: Engine) -> None:
+    """The demo prints the hang command; its answer is the hang, not every fault's value (an
+    unrelated generation_error among them). GET /_fake/fault shows them all."""
+    assert vllm.fault(hang_generation=True) == {"hang_generation": True}
+    assert vllm.fault(hang_generation=False) == {"hang_generation": False}
+    assert vllm.fault(latency=0.2, health_status=503) == {"latency": 0.2, "health_status": 503}
+    every = vllm.get("/_fake/fault").json()
+    assert (every["latency"], every["health_status"], every["hang_generation"]) == (0.2, 503, False)
+    assert "generation_error" in every
 
 
 def test_request_log(vllm: Engine) -> None:

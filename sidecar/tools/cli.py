@@ -27,8 +27,9 @@ def _parser() -> argparse.ArgumentParser:
         choices=["serve", "demo", "probes"],
         default="serve",
         help="serve (default): run the sidecar; demo: run it against the engine at "
-        "SIDECAR_ENGINE_URL, or a bundled fake engine when none answers there; probes: print "
-        "the engine container's Kubernetes probes sized from this configuration",
+        "SIDECAR_ENGINE_URL, or a bundled fake engine when no engine of the configured backend "
+        "answers there; probes: print the engine container's Kubernetes probes sized from this "
+        "configuration",
     )
     parser.add_argument(
         "--max-load-seconds",
