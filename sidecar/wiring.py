@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import importlib.util
 import logging
+import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -92,12 +93,13 @@ def registration_path(settings: Settings, plan: CanaryPlan) -> str:
 
 
 def install_hint(extra: str) -> str:
-    """The command that installs ``extra`` where this sidecar is installed from: a source checkout
-    (an editable install) or a package."""
+    """The command that installs ``extra`` where this sidecar runs: the pip of its own Python, from
+    the source checkout it was installed from (an editable install) or as a package."""
     root = Path(__file__).resolve().parents[1]
+    pip = f"{sys.executable} -m pip install"
     if (root / "pyproject.toml").is_file() and (root / "sidecar").is_dir():
-        return f"pip install -e '{root}[{extra}]'"
-    return f"pip install 'health-sidecar[{extra}]'"
+        return f"{pip} -e '{root}[{extra}]'"
+    return f"{pip} 'health-sidecar[{extra}]'"
 
 
 def runtime_missing() -> str | None:

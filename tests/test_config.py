@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
 from sidecar.config import Backend, ConfigError, Mode
 from tests.support.configured import run_cli, settings_from
+from tests.support.harness import ROOT
 
 
+@pytest.mark.unit
 def test_defaults(monkeypatch):
     s = settings_from(monkeypatch)
     assert s.health_check_enabled is False
@@ -21,6 +24,7 @@ def test_defaults(monkeypatch):
     assert (s.backend, s.disaggregation_mode) == (Backend.VLLM, Mode.AGGREGATED)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("env", "field", "value"),
     [
@@ -48,6 +52,7 @@ def test_valid_values(monkeypatch, env, field, value):
     assert getattr(settings_from(monkeypatch, **env), field) == value
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("name", "value", "expected"),
     [
@@ -89,12 +94,14 @@ def test_malformed_value_names_variable(monkeypatch, name, value, expected):
     assert "\n" not in line
 
 
+@pytest.mark.unit
 def test_live_and_health_paths_must_differ(monkeypatch):
     with pytest.raises(ConfigError) as info:
         settings_from(monkeypatch, DYN_SYSTEM_HEALTH_PATH="/x", DYN_SYSTEM_LIVE_PATH="/x")
     assert info.value.lines[0].startswith("DYN_SYSTEM_LIVE_PATH=")
 
 
+@pytest.mark.unit
 def test_payload_file(monkeypatch, tmp_path):
     path = tmp_path / "payload.json"
     path.write_text(json.dumps({"prompt": [1, 2], "max_tokens": 1}))
@@ -102,6 +109,7 @@ def test_payload_file(monkeypatch, tmp_path):
     assert s.health_check_payload == {"prompt": [1, 2], "max_tokens": 1}
 
 
+@pytest.mark.process
 def test_bad_config_exits_nonzero_with_one_line_and_no_traceback():
     done = run_cli(env={"DYN_SYSTEM_PORT": "70000"})
     assert done.returncode == 2
@@ -110,6 +118,7 @@ def test_bad_config_exits_nonzero_with_one_line_and_no_traceback():
     assert "Traceback" not in done.stderr + done.stdout
 
 
+@pytest.mark.process
 def test_check_config_prints_the_plan():
     env = {
         "DYN_HEALTH_CHECK_ENABLED": "true",
@@ -128,6 +137,7 @@ def test_check_config_prints_the_plan():
     assert "sk-secret-value" not in out
 
 
+@pytest.mark.process
 def test_check_config_rejects_like_startup():
     done = run_cli("--check-config", env={"SIDECAR_DISAGGREGATION_MODE": "decoder"})
     assert done.returncode == 2
@@ -136,6 +146,7 @@ def test_check_config_rejects_like_startup():
     )
 
 
+@pytest.mark.process
 def test_env_file(tmp_path):
     env_file = tmp_path / "worker.env"
     env_file.write_text(
@@ -148,3 +159,26 @@ def test_env_file(tmp_path):
     missing = run_cli("--env-file", str(tmp_path / "nope.env"), "--check-config")
     assert missing.returncode == 2
     assert "--env-file=" in missing.stderr
+
+
+@pytest.mark.process
+def test_a_missing_runtime_is_refused_at_start_with_the_command_that_installs_it(tmp_path):
+    """Validation does not depend on the machine: --check-config passes a Dynamo profile where
+    the dynamo extra is not installed (and says so), and the sidecar refuses to start there,
+    exit 2, one line with the command that works where it is installed from."""
+    hidden = tmp_path / "no-runtime"
+    (hidden / "dynamo").mkdir(parents=True)
+    (hidden / "dynamo" / "__init__.py").write_text("")  # a dynamo package without its runtime
+    env = {"PYTHONPATH": str(hidden)}
+    profile = str(ROOT / "config" / "dynamo-vllm-decode.env")
+    hint = f"{sys.executable} -m pip install -e '{ROOT}[dynamo]'"
+
+    checked = run_cli("--env-file", profile, "--check-config", env=env)
+    assert checked.returncode == 0, checked.stderr
+    assert hint in checked.stdout
+
+    started = run_cli("--env-file", profile, env=env)
+    assert started.returncode == 2
+    (line,) = started.stderr.strip().splitlines()
+    assert line.startswith("health-sidecar: cannot start: SIDECAR_TRANSPORT=dynamo: expected")
+    assert hint in line

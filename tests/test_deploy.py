@@ -437,7 +437,7 @@ def test_the_readme_says_which_profiles_need_the_dynamo_extra(monkeypatch: pytes
     assert dynamo == {p.name for p in CONFIG.glob("dynamo-*.env")}
     # From a clone, after the README's install; the sidecar prints the same from its root.
     assert "`.venv/bin/pip install -e '.[dynamo]'`" in text
-    assert install_hint("dynamo") == f"pip install -e '{ROOT}[dynamo]'"
+    assert install_hint("dynamo") == f"{sys.executable} -m pip install -e '{ROOT}[dynamo]'"
 
 
 # --- docker compose ----------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from sidecar.core.endpoint import asks_engine_http
 from sidecar.core.evidence.progress import ProgressSpec
 from sidecar.core.verdict import RULE_TEXT, Cause, Rule, liveness_causes
 from sidecar.probes import CanaryPlan, plan_canary
+from sidecar.wiring import missing_for
 
 MODEL_PLACEHOLDER = "<served model, from GET /v1/models>"
 
@@ -218,8 +219,10 @@ def _dynamo_lines(plan: CanaryPlan, s: Settings) -> list[str]:
             f"{where}, as the worker's: missing there while the system server answers is "
             "notready 'not discoverable', and, listed before, a liveness clock"
         )
+    missing = missing_for(s)
     return [
         f"worker         Dynamo system server {s.engine_url}; request plane {s.request_plane}",
+        *([f"  not here     {missing} (the sidecar exits 2 at start)"] if missing else []),
         f"  instance     {found}",
         f"  own health   GET {health}: shown beside the verdict, never a gate",
         f"  discovery    {discovery}",
