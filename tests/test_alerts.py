@@ -70,6 +70,7 @@ def alerting_rules(groups: dict[str, Any]) -> list[dict[str, Any]]:
 # --- the rule files ---------------------------------------------------------------------------
 
 
+@pytest.mark.system
 def test_promtool_check_rules_passes():
     result = promtool("check", "rules", RULES.name)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -77,12 +78,14 @@ def test_promtool_check_rules_passes():
     assert f"SUCCESS: {count} rules found" in result.stdout
 
 
+@pytest.mark.system
 def test_promtool_unit_tests_of_every_alert_pass():
     result = promtool("test", "rules", RULES_TEST.name)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "SUCCESS" in result.stdout
 
 
+@pytest.mark.unit
 def test_unit_tests_cover_every_alert_firing_and_not_firing():
     alerts = {rule["alert"] for rule in alerting_rules(yaml.safe_load(RULES.read_text()))}
     fires, quiet = set(), set()
@@ -93,6 +96,7 @@ def test_unit_tests_cover_every_alert_firing_and_not_firing():
     assert quiet == alerts, f"alerts never seen quiet: {alerts - quiet}"
 
 
+@pytest.mark.process
 def test_prometheusrule_embeds_the_rule_file_unchanged():
     resource = yaml.safe_load(PROMETHEUS_RULE.read_text())
     assert resource["apiVersion"] == "monitoring.coreos.com/v1"
@@ -104,6 +108,7 @@ def test_prometheusrule_embeds_the_rule_file_unchanged():
     assert check.returncode == 0, check.stderr  # the file is byte for byte what the script writes
 
 
+@pytest.mark.unit
 def test_every_alert_is_actionable():
     """A severity as llm-d and Dynamo use them, and annotations naming the pod and namespace."""
     for rule in alerting_rules(yaml.safe_load(RULES.read_text())):
@@ -137,6 +142,7 @@ def sample(text: str, name: str) -> float | None:
     return None
 
 
+@pytest.mark.system
 def test_promtool_check_metrics_passes_in_every_state(engine, sidecar):
     require("promtool")
     fake = engine("vllm", "aggregated")
@@ -288,6 +294,7 @@ def wait_alert(server: Prometheus, name: str, since: float, timeout: float) -> t
     return found, time.monotonic() - since
 
 
+@pytest.mark.system
 def test_a_generation_hang_fires_the_alerts_on_a_real_prometheus_and_they_resolve(
     engine, sidecar, prometheus
 ):
@@ -341,6 +348,7 @@ def test_a_generation_hang_fires_the_alerts_on_a_real_prometheus_and_they_resolv
     )
 
 
+@pytest.mark.system
 def test_draining_does_not_fire_not_ready_and_a_dead_sidecar_fires_down(
     engine, sidecar, prometheus
 ):

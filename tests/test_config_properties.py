@@ -15,11 +15,9 @@ or a leak at run time); they have their own tests at the end, named after what t
 
 from __future__ import annotations
 
-import atexit
 import json
 import math
 import os
-import shutil
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -51,9 +49,15 @@ ANY_TEXT = st.text(
     min_size=1,
     max_size=40,
 )
-# Scratch files for DYN_HEALTH_CHECK_PAYLOAD=@path; removed when the test session ends.
-SCRATCH = Path(tempfile.mkdtemp(prefix="config-properties-"))
-atexit.register(shutil.rmtree, SCRATCH, ignore_errors=True)
+# Scratch files for DYN_HEALTH_CHECK_PAYLOAD=@path: a directory of pytest's (the fixture below),
+# set before any strategy that names it is built or drawn.
+SCRATCH = Path("/nonexistent")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _scratch(tmp_path_factory: pytest.TempPathFactory) -> None:
+    global SCRATCH
+    SCRATCH = tmp_path_factory.mktemp("config-properties")
 
 
 def env_names() -> list[str]:
@@ -453,12 +457,14 @@ def kind_of(name: str) -> Kind | None:
 # --- the properties ------------------------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_every_variable_has_strategies() -> None:
     missing = [name for name in env_names() if kind_of(name) is None]
     assert not missing, f"no strategies for {missing}: add them to kind_of()"
     assert all(name.startswith(ENV_PREFIXES) for name in env_names())
 
 
+@pytest.mark.unit
 def test_variables_without_malformed_values_say_why() -> None:
     for name in env_names():
         kind = kind_of(name)
@@ -472,6 +478,7 @@ def has_malformed_values(name: str) -> bool:
     return kind is None or kind.malformed is not None  # None: fails, naming the variable
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("name", [n for n in env_names() if has_malformed_values(n)])
 @PROPERTY
 @given(data=st.data())
@@ -487,6 +494,7 @@ def test_malformed_value_gives_one_line_naming_the_variable(
         assert value not in line
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("name", env_names())
 @PROPERTY
 @given(data=st.data())
@@ -520,6 +528,7 @@ def test_valid_value_is_taken_as_given(
         assert got is not None, value  # never a silent default
 
 
+@pytest.mark.unit
 def test_two_malformed_variables_give_two_lines(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ConfigError) as info:
         load(monkeypatch, DYN_SYSTEM_PORT="0", SIDECAR_BACKEND="tgi")
@@ -584,6 +593,7 @@ def sample_for(name: str) -> str | None:
 PREFIX = "health-sidecar: configuration error: "
 
 
+@pytest.mark.process
 def test_every_malformed_variable_at_once_one_line_each() -> None:
     env = {name: value for name in env_names() if (value := sample_for(name)) is not None}
     # All but the host and the two tokens.
@@ -598,6 +608,7 @@ def test_every_malformed_variable_at_once_one_line_each() -> None:
     assert named == sorted(env), named
 
 
+@pytest.mark.process
 @pytest.mark.parametrize(
     "name", ["DYN_SYSTEM_PORT", "DYN_HEALTH_CHECK_PAYLOAD", "SIDECAR_ENGINE_URL", "SIDECAR_MODEL"]
 )
@@ -613,6 +624,7 @@ def test_malformed_value_exits_2_with_one_line_and_no_traceback(name: str) -> No
 # --- malformed values that once passed (each was a bug) -----------------------------------------
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "name", ["DYN_HEALTH_CHECK_PAYLOAD", "DYN_SYSTEM_USE_ENDPOINT_HEALTH_STATUS"]
 )
@@ -620,6 +632,7 @@ def test_deeply_nested_json_gives_one_line(monkeypatch: pytest.MonkeyPatch, name
     assert_one_line_naming(monkeypatch, name, "[" * 100_000)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "value",
     ['{"prompt": "x", "temperature": NaN}', '{"max_tokens": Infinity}', '{"prompt": "\\ud800"}'],
@@ -630,6 +643,7 @@ def test_payload_that_cannot_be_sent_is_rejected(
     assert_one_line_naming(monkeypatch, "DYN_HEALTH_CHECK_PAYLOAD", value)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("sep", ["\n", "\r", "\u2028"])
 def test_payload_path_with_a_line_break_gives_one_line(
     monkeypatch: pytest.MonkeyPatch, sep: str
@@ -637,11 +651,13 @@ def test_payload_path_with_a_line_break_gives_one_line(
     assert_one_line_naming(monkeypatch, "DYN_HEALTH_CHECK_PAYLOAD", f"@{SCRATCH}/a{sep}b.json")
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("value", [" ", "bad host", "host/path", "http://0.0.0.0", "a\tb", "é!"])
 def test_malformed_host_is_rejected(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
     assert_one_line_naming(monkeypatch, "DYN_SYSTEM_HOST", value)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("value", ["sk-abc\ndef", "sk-abc\r\nX-Injected: 1", "sk-\x7f", "ключ"])
 def test_api_key_that_is_no_header_value_is_rejected(
     monkeypatch: pytest.MonkeyPatch, value: str
@@ -650,6 +666,7 @@ def test_api_key_that_is_no_header_value_is_rejected(
     assert value not in line
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("value", ["http://exa mple:8000", "http://h\\x:8000", "http://h\x0b:8000"])
 def test_engine_url_with_a_malformed_host_is_rejected(
     monkeypatch: pytest.MonkeyPatch, value: str
@@ -664,6 +681,7 @@ ENGINE_PATHS = [
 ]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("name", ENGINE_PATHS)
 @pytest.mark.parametrize("char", ["\x0b", "\x0c", "\x01", "\x7f"])
 def test_engine_path_with_a_control_character_is_rejected(
@@ -672,6 +690,7 @@ def test_engine_path_with_a_control_character_is_rejected(
     assert_one_line_naming(monkeypatch, name, f"/he{char}alth")
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("name", ["DYN_SYSTEM_HEALTH_PATH", "DYN_SYSTEM_LIVE_PATH"])
 def test_probe_path_taken_by_the_schema_route_is_rejected(
     monkeypatch: pytest.MonkeyPatch, name: str
@@ -679,12 +698,14 @@ def test_probe_path_taken_by_the_schema_route_is_rejected(
     assert_one_line_naming(monkeypatch, name, "/openapi.json")
 
 
+@pytest.mark.unit
 def test_health_path_on_the_live_route_names_the_health_variable(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     assert_one_line_naming(monkeypatch, "DYN_SYSTEM_HEALTH_PATH", "/live")
 
 
+@pytest.mark.process
 def test_non_ascii_api_key_exits_2_without_traceback() -> None:
     env = {
         "SIDECAR_ENGINE_API_KEY": "ключ",
@@ -697,6 +718,7 @@ def test_non_ascii_api_key_exits_2_without_traceback() -> None:
     assert done.returncode == 2, done.stderr[-2000:]
 
 
+@pytest.mark.unit
 def test_control_token_is_a_header_value_and_needs_a_port(monkeypatch: pytest.MonkeyPatch) -> None:
     line = assert_one_line_naming(monkeypatch, "SIDECAR_CONTROL_TOKEN", "two words")
     assert "two words" not in line

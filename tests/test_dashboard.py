@@ -6,8 +6,8 @@
 - every panel has a title and at least one query; every query (and every variable's
   label_values selector) parses with promql-parser once Grafana's variables are replaced by
   valid placeholders, and every metric it selects is one the sidecar exports: the names come
-  from the sidecar's own exposition, built in-process (server.build) and read back with
-  prometheus_client's parser (a counter's _total and a histogram's _bucket, _count and _sum
+  from the sidecar's own exposition, built in-process (sidecar.wiring.surface_for) and read back
+  with prometheus_client's parser (a counter's _total and a histogram's _bucket, _count and _sum
   count as its names);
 - every topic the dashboard is for (readiness and liveness per pod, canary outcomes and latency,
   engine in-flight and progress, disagreements, transitions, ...) has a panel naming its metric.
@@ -86,12 +86,13 @@ def exported() -> set[str]:
     from prometheus_client.parser import text_string_to_metric_families
 
     from sidecar.config import load_settings
-    from sidecar.runtime.server import build
+    from sidecar.wiring import health_for, plans_for, surface_for
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("DYN_HEALTH_CHECK_ENABLED", "true")
-        parts = build(load_settings())
-    text = parts.metrics.exposition().decode()
+        settings = load_settings()
+    health = health_for(settings, plans_for(settings))
+    text = surface_for(settings, health).metrics.exposition().decode()
     suffixes = {"counter": ["_total"], "histogram": ["_bucket", "_count", "_sum"]}
     names: set[str] = set()
     for family in text_string_to_metric_families(text):
@@ -143,12 +144,14 @@ def selected_metrics(expr: str) -> set[str]:
 # --- no drift -----------------------------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_committed_json_is_a_fresh_build(script: ModuleType):
     assert DASHBOARD_JSON.read_text(encoding="utf-8") == script.render_json(), (
         "dashboard.json is stale: run python deploy/monitoring/dashboard.py"
     )
 
 
+@pytest.mark.unit
 def test_configmap_embeds_exactly_the_json(script: ModuleType):
     text = CONFIGMAP.read_text(encoding="utf-8")
     assert text == script.render_configmap(DASHBOARD_JSON.read_text(encoding="utf-8")), (
@@ -163,6 +166,7 @@ def test_configmap_embeds_exactly_the_json(script: ModuleType):
     assert doc["data"]["health-sidecar.json"] == DASHBOARD_JSON.read_text(encoding="utf-8")
 
 
+@pytest.mark.process
 def test_configmap_is_valid_kubernetes(tmp_path: Path):
     validator = need("kubernetes-validate", "pip install kubernetes-validate")
     for version in (OLDEST_K8S, newest_k8s(validator)):
@@ -173,6 +177,7 @@ def test_configmap_is_valid_kubernetes(tmp_path: Path):
 # --- the dashboard ------------------------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_the_json_round_trips_through_the_sdk_model(dashboard: dict[str, Any]):
     """grafana-foundation-sdk's Dashboard model reads the JSON back without losing a field."""
     from grafana_foundation_sdk.cog.encoder import JSONEncoder
@@ -182,6 +187,7 @@ def test_the_json_round_trips_through_the_sdk_model(dashboard: dict[str, Any]):
     assert json.loads(json.dumps(model, cls=JSONEncoder)) == dashboard
 
 
+@pytest.mark.unit
 def test_dashboard_identity_and_variables(dashboard: dict[str, Any]):
     assert dashboard["uid"] == "health-sidecar"
     assert dashboard["title"]
@@ -193,6 +199,7 @@ def test_dashboard_identity_and_variables(dashboard: dict[str, Any]):
     assert variables["pod"]["includeAll"] is True
 
 
+@pytest.mark.unit
 def test_every_panel_has_a_title_and_a_query(dashboard: dict[str, Any]):
     found = list(panels(dashboard))
     assert len(found) >= 10
@@ -206,6 +213,7 @@ def test_every_panel_has_a_title_and_a_query(dashboard: dict[str, Any]):
     assert len(ids) == len(set(ids)), "panel ids must be unique"
 
 
+@pytest.mark.unit
 def test_every_query_is_filtered_by_namespace_and_pod(dashboard: dict[str, Any]):
     for title, expr in targets(dashboard):
         for metric in selected_metrics(expr):
@@ -216,6 +224,7 @@ def test_every_query_is_filtered_by_namespace_and_pod(dashboard: dict[str, Any])
                 assert 'pod=~"$pod"' in matchers, f"{title}: {expr!r}"
 
 
+@pytest.mark.unit
 def test_every_query_parses_and_names_exported_metrics(
     dashboard: dict[str, Any], exported: set[str]
 ):
@@ -227,6 +236,7 @@ def test_every_query_parses_and_names_exported_metrics(
         assert not unknown, f"{title}: {sorted(unknown)} not exported by the sidecar"
 
 
+@pytest.mark.unit
 def test_variable_queries_name_exported_metrics(dashboard: dict[str, Any], exported: set[str]):
     for variable in dashboard["templating"]["list"]:
         if variable["type"] != "query":
@@ -236,12 +246,14 @@ def test_variable_queries_name_exported_metrics(dashboard: dict[str, Any], expor
         assert selected_metrics(found.group(1)) <= exported, variable["query"]
 
 
+@pytest.mark.unit
 def test_the_checks_catch_a_bad_query(exported: set[str]):
     with pytest.raises(ValueError, match="unclosed left parenthesis"):
         selected_metrics('sum(rate(health_sidecar_ready{pod=~"$pod"}[$__rate_interval])')
     assert selected_metrics("health_sidecar_redy") - exported == {"health_sidecar_redy"}
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("topic", sorted(TOPICS))
 def test_the_dashboard_covers(topic: str, dashboard: dict[str, Any]):
     named = {metric for _, expr in targets(dashboard) for metric in selected_metrics(expr)}

@@ -108,6 +108,7 @@ def build(path: Path) -> list[dict[str, Any]]:
     return [d for d in yaml.safe_load_all(proc.stdout) if d]
 
 
+@pytest.mark.unit
 def test_component_targets_every_deployment():
     (kust,) = load(COMPONENT / "kustomization.yaml")
     assert kust["apiVersion"] == "kustomize.config.k8s.io/v1alpha1"
@@ -117,6 +118,7 @@ def test_component_targets_every_deployment():
         assert patch["target"] == {"group": "apps", "version": "v1", "kind": "Deployment"}
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("overlay", LEAF_OVERLAYS)
 def test_overlays_use_the_component(overlay: str):
     (kust,) = load(KUBE / "overlays" / overlay / "kustomization.yaml")
@@ -124,6 +126,7 @@ def test_overlays_use_the_component(overlay: str):
     assert found == [COMPONENT.resolve()]
 
 
+@pytest.mark.unit
 def test_base_no_longer_defines_the_sidecar():
     text = (KUBE / "base" / "worker.yaml").read_text(encoding="utf-8")
     assert "initContainers" not in text
@@ -157,12 +160,14 @@ def check_component_output(
     return spec
 
 
+@pytest.mark.process
 def test_component_on_the_example_deployment(monkeypatch, tmp_path: Path):
     docs = build(EXAMPLES / "any-deployment")
     check_component_output(docs, "vllm", monkeypatch)
     validate_strict(docs, tmp_path)
 
 
+@pytest.mark.process
 def test_grpc_example_probes_the_grpc_health_service(monkeypatch, tmp_path: Path):
     """The example whose engine probes are kubelet grpc probes: exactly what `probes --grpc`
     prints for its sidecar's settings, on the port the sidecar declares; valid Kubernetes."""
@@ -199,6 +204,7 @@ def test_grpc_example_probes_the_grpc_health_service(monkeypatch, tmp_path: Path
     validate_strict(docs, tmp_path)
 
 
+@pytest.mark.process
 def test_component_on_any_deployment(monkeypatch, tmp_path: Path):
     """A Deployment with its own init container, a second container and another engine name."""
     app = tmp_path / "app"
@@ -253,6 +259,7 @@ def workers() -> dict[str, dict[str, Any]]:
     return {n: s for n, s in services.items() if s.get("componentType") == "worker"}
 
 
+@pytest.mark.unit
 def test_dgd_is_a_disaggregated_graph():
     doc = dgd()
     assert doc["apiVersion"] == "nvidia.com/v1alpha1"
@@ -267,6 +274,7 @@ def test_dgd_is_a_disaggregated_graph():
         assert args[args.index("--disaggregation-mode") + 1] == mode
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("name", sorted(workers()))
 def test_dgd_worker_probes_target_its_sidecar(name: str, monkeypatch):
     service = workers()[name]
@@ -313,6 +321,7 @@ def test_dgd_worker_probes_target_its_sidecar(name: str, monkeypatch):
     assert service["livenessProbe"]["httpGet"]["port"] != DYNAMO_SYSTEM_PORT
 
 
+@pytest.mark.process
 def test_dgd_pod_specs_are_valid_pods(tmp_path: Path):
     pods = []
     for name, service in workers().items():
@@ -329,6 +338,7 @@ def lws_docs() -> dict[str, dict[str, Any]]:
     return {d["kind"]: d for d in load(LWS)}
 
 
+@pytest.mark.unit
 def test_lws_sidecar_on_the_leader_without_liveness(monkeypatch):
     docs = lws_docs()
     lws = docs["LeaderWorkerSet"]
@@ -357,6 +367,7 @@ def test_lws_sidecar_on_the_leader_without_liveness(monkeypatch):
         assert engine[probe] == expected[probe], probe
 
 
+@pytest.mark.unit
 def test_lws_startup_policy_does_not_deadlock():
     """LeaderReady waits for the leader Pod to be Ready before creating the workers; the leader's
     readiness is the sidecar's /health, which needs the workers. So: LeaderCreated."""
@@ -370,6 +381,7 @@ def test_lws_startup_policy_does_not_deadlock():
     assert lws["spec"]["startupPolicy"] == "LeaderCreated"
 
 
+@pytest.mark.process
 def test_lws_core_objects_and_pod_templates_are_valid(tmp_path: Path):
     docs = lws_docs()
     template = docs["LeaderWorkerSet"]["spec"]["leaderWorkerTemplate"]

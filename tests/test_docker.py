@@ -36,6 +36,8 @@ from tests.support.engines import LlamaServer, cache_dir, require
 from tests.support.harness import LOOPBACK, ROOT, FakeEngine, free_port, wait_until
 from tests.support.prerequisites import missing as prerequisite_missing
 
+pytestmark = pytest.mark.system
+
 DOCKER_CI = "scripts/docker_ci.sh"
 IMAGE = "local/health-sidecar:test"
 LLAMA_IMAGE = "local/llama-server:ci"

@@ -11,6 +11,8 @@ from sidecar.core.endpoint import EndpointState
 from sidecar.core.events import Kind, verdict_events, worker_events
 from sidecar.core.verdict import Cause, Liveness, Readiness, Rule, Verdict
 
+pytestmark = pytest.mark.unit
+
 EP = EndpointState("generate", True, "why")
 READY, DOWN, NONE = (
     Verdict(True, "canary passed"),

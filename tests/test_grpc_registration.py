@@ -19,6 +19,8 @@ import pytest
 from tests.support.configured import run_cli
 from tests.support.harness import FakeEngine, Sidecar, base_env, free_port, wait_until
 
+pytestmark = pytest.mark.process
+
 SERVICE = "vllm.grpc.engine.VllmEngine"
 INTERVAL = 0.2
 

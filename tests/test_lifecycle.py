@@ -28,6 +28,8 @@ from sidecar.probes.base import Role
 from sidecar.probes.sglang import SglangProber
 from sidecar.probes.vllm import VllmProber
 
+pytestmark = pytest.mark.unit
+
 POLICY = Policy(
     failure_threshold=2, success_threshold=1, wait=1.0, retry=1.0, timeout=0.5,
     liveness_window=10.0, stall_window=2.5, metrics_interval=1.0, check_answer=True,

@@ -14,6 +14,8 @@ from sidecar.core.schedule import Job, Timing, Work, next_due
 from sidecar.core.snapshot import Snapshot, rebuilt
 from sidecar.core.verdict import HEARTBEAT_INTERVAL
 
+pytestmark = pytest.mark.unit
+
 REG, METRICS, RANKS = Work(Job.REGISTRATION), Work(Job.METRICS), Work(Job.RANKS)
 BEAT, WINDOW = Work(Job.HEARTBEAT), Work(Job.MAINTENANCE)
 CANARY = Work(Job.CANARY, "generate")

@@ -31,6 +31,7 @@ from sidecar.surface.app import create_app
 from sidecar.surface.history import History, scrub
 from sidecar.surface.metrics import Metrics
 from sidecar.surface.statuspage import render
+from sidecar.surface.view import About
 from tests.support.configured import health_of
 from tests.support.harness import ROOT, Sidecar, base_env, wait_until
 from tests.support.prerequisites import missing as prerequisite_missing
@@ -89,6 +90,7 @@ def test_history_keeps_no_credentials() -> None:
 
 def health_with_history(monkeypatch: pytest.MonkeyPatch) -> tuple[Health, History, TestClient]:
     monkeypatch.setenv("DYN_HEALTH_CHECK_ENABLED", "true")
+    monkeypatch.setenv("SIDECAR_MODEL", "tiny")  # a model the canary names: no lookup needed
     settings = load_settings()
     health = health_of(settings)
     history = History()
@@ -121,7 +123,7 @@ def test_the_renderer_escapes_every_dynamic_value(monkeypatch) -> None:
     evil = '<script>alert("x")</script>'
     history.add_canary("generate", result(Outcome.ERROR, 1, f"HTTP 500: {evil}", f'id"{evil}'))
     history.add_change("worker", "readiness", "notready", evil, "listed_endpoints")
-    page = render(health.settings, health.snapshot, history.view(), 0.0, 1.0, 1.7e9)
+    page = render(About(), health.snapshot, history.view(), 0.0, 1.0, 1.7e9)
     assert "<script" not in page
     # The reason, the request id (its row and the chart's tooltip), the change's reason.
     assert page.count("&lt;script&gt;alert(&quot;x&quot;)&lt;/script&gt;") == 4
