@@ -60,6 +60,10 @@ def sidecar() -> Iterator[Callable[..., Sidecar]]:
 # --- tiers (docs/develop/testing.md) -------------------------------------------------------------
 
 TIERS = ("unit", "process", "engine", "system")
+# A test that runs longer than its tier allows is hung, not slow: pytest-timeout fails it and
+# prints every thread's stack. (A real engine's start-up, paid once per module, counts in the
+# first test that uses it.)
+TIMEOUTS = {"unit": 60, "process": 300, "engine": 1200, "system": 900}
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects: a test without a tier fails every run
@@ -70,6 +74,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         tiers = sorted({mark.name for mark in item.iter_markers() if mark.name in TIERS})
         if len(tiers) != 1:
             wrong.append(f"  {item.nodeid}: {' and '.join(tiers) or 'no tier'}")
+    for item in items:
+        tier = next((m.name for m in item.iter_markers() if m.name in TIERS), None)
+        if tier is not None and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(TIMEOUTS[tier]))
     if wrong:
         raise pytest.UsageError(
             f"{len(wrong)} test(s) without exactly one tier marker (one of {', '.join(TIERS)}: "
