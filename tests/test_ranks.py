@@ -1,5 +1,6 @@
 """Data-parallel ranks as tables: the rank policy, pinning, per-rank metrics and configuration.
-Pure functions; the ranks against engines are in tests/test_e2e_ranks.py and test_vllm_real.py."""
+Pure functions; the ranks against engines are in tests/test_ranks_inprocess.py (the fake, in
+process) and tests/test_vllm_dp.py."""
 
 from __future__ import annotations
 

@@ -5,7 +5,17 @@ interval runs on aiotools' ``VirtualClock``, so a timing rule is an exact statem
 schedule, whatever the machine's load.
 
 What a process can suffer, the link between them models: frozen (SIGSTOP: every request waits
-until thawed), killed (every connection refused), restarted (a fresh engine state).
+until thawed), killed (every connection refused), restarted (a fresh engine state). With
+``served=True`` the link also serves as an HTTP server does: a request whose client leaves (a
+timed-out canary) is not cancelled but hears ``http.disconnect`` and runs on as the engine decides
+(vLLM aborts it, TensorRT-LLM computes it anyway: each fake backend's ``notice_delay``), and a
+kill fails the requests in flight. ``load_seconds`` loads on the virtual clock (vLLM and
+TensorRT-LLM refuse connections meanwhile, the others answer 503 "Loading model"). In the engine's
+request log (``requests()``), ``at`` is the virtual time a request arrived. ``in_flight`` holds a
+client's request in the engine while a test watches (``send``: one as a task).
+
+What the sidecar shows: ``wait_status`` and ``statuses`` (every status a route answered over a
+span), ``health_body``, ``metrics``, and ``log``, the lines its log would say.
 
     async def scenario(side: InProcessSidecar) -> None:
         await side.wait_status(200, within=5)
@@ -19,16 +29,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 import httpx
 from aiotools import VirtualClock
 
 from fakeengine.app import build_app
+from fakeengine.backends import BACKENDS
 from fakeengine.state import EngineConfig, EngineState
 from sidecar.config import Settings, broken_rules
+from sidecar.core.events import Event
 from sidecar.runtime.health import Health
 from sidecar.wiring import Surface, health_for, monitor_main, plans_for, surface_for
 
@@ -38,10 +51,37 @@ T = TypeVar("T")
 FAST = {"DYN_CANARY_WAIT_TIME": "1", "DYN_HEALTH_CHECK_REQUEST_TIMEOUT": "0.5"}
 
 
-class EngineLink(httpx.AsyncBaseTransport):
-    """One fake engine, reached in-process. Create it inside the running loop."""
+class VirtualEngineState(EngineState):
+    """The fake engine's state with its loading phase on the loop's clock, and each request's
+    virtual arrival time (``at``) in its request log."""
 
-    def __init__(self, backend: str, mode: str = "aggregated", **config: Any) -> None:
+    def __init__(self, config: EngineConfig, *, loading_seconds: float) -> None:
+        super().__init__(config, loading_seconds=0.0)
+        self.loaded_at = asyncio.get_running_loop().time() + loading_seconds
+
+    @property
+    def loading(self) -> bool:
+        return asyncio.get_running_loop().time() < self.loaded_at
+
+    async def wait_loaded(self) -> None:
+        remaining = self.loaded_at - asyncio.get_running_loop().time()
+        if remaining > 0:
+            await asyncio.sleep(remaining)
+
+    def record(self, method: str, path: str, headers: Mapping[str, str], payload: object) -> None:
+        super().record(method, path, headers, payload)
+        self.requests[-1]["at"] = asyncio.get_running_loop().time()
+
+
+class EngineLink(httpx.AsyncBaseTransport):
+    """One fake engine, reached in-process. Create it inside the running loop.
+
+    ``served``: serve requests as an HTTP server does (module docstring); ``load_seconds``: the
+    engine loads for that long (virtual) after each start."""
+
+    def __init__(
+        self, backend: str, mode: str = "aggregated", *, served: bool = False, **config: Any
+    ) -> None:
         self.config = EngineConfig(
             backend=backend,  # type: ignore[arg-type]
             mode=mode,  # type: ignore[arg-type]
@@ -51,23 +91,122 @@ class EngineLink(httpx.AsyncBaseTransport):
             load_seconds=config.pop("load_seconds", 0.0),
             **config,
         )
+        self.served = served
         self.down = False
         self._thawed = asyncio.Event()
         self._thawed.set()
+        self._handlers: set[asyncio.Task[None]] = set()  # served requests still running
+        self._killed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._start()
 
     def _start(self) -> None:
-        self.state = EngineState(self.config, loading_seconds=0.0)
-        self._asgi = httpx.ASGITransport(app=build_app(self.state))
+        # The port opens after loading on engines that bind late (vLLM, TensorRT-LLM).
+        late = BACKENDS[self.config.backend].binds_after_loading
+        self.state = VirtualEngineState(
+            self.config, loading_seconds=0.0 if late else self.config.load_seconds
+        )
+        self.listening_at = asyncio.get_running_loop().time() + (
+            self.config.load_seconds if late else 0.0
+        )
+        self._app = build_app(self.state)
+        self._asgi = httpx.ASGITransport(app=self._app)
         self.admin = httpx.AsyncClient(transport=self._asgi, base_url="http://engine")
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        if self.down:
+        if self.down or asyncio.get_running_loop().time() < self.listening_at:
             raise httpx.ConnectError("All connection attempts failed", request=request)
         await self._thawed.wait()
         if self.down:  # killed while frozen
             raise httpx.RemoteProtocolError("Server disconnected", request=request)
+        if self.served:
+            return await self._serve(request)
         return await self._asgi.handle_async_request(request)
+
+    async def _serve(self, request: httpx.Request) -> httpx.Response:
+        """The request as a server runs it: its handler a task of its own, which hears
+        ``http.disconnect`` when the client leaves and runs on; a kill ends it."""
+        body = await request.aread()
+        scope = {
+            "type": "http",
+            "asgi": {"version": "3.0"},
+            "http_version": "1.1",
+            "method": request.method,
+            "headers": [(k.lower(), v) for (k, v) in request.headers.raw],
+            "scheme": request.url.scheme,
+            "path": request.url.path,
+            "raw_path": request.url.raw_path.split(b"?")[0],
+            "query_string": request.url.query,
+            "server": (request.url.host, request.url.port),
+            "client": ("127.0.0.1", 123),
+            "root_path": "",
+        }
+        loop = asyncio.get_running_loop()
+        read, complete, gone = False, loop.create_future(), loop.create_future()
+        status, headers, parts = 500, [], []
+
+        async def receive() -> dict[str, Any]:
+            nonlocal read
+            if not read:
+                read = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            await asyncio.wait({complete, gone}, return_when=asyncio.FIRST_COMPLETED)
+            return {"type": "http.disconnect"}
+
+        async def send(message: Mapping[str, Any]) -> None:
+            nonlocal status, headers
+            if gone.done():  # nobody reads it any more
+                return
+            if message["type"] == "http.response.start":
+                status, headers = message["status"], message.get("headers", [])
+            elif message["type"] == "http.response.body":
+                parts.append(message.get("body", b""))
+                if not message.get("more_body", False) and not complete.done():
+                    complete.set_result(None)
+
+        handler = asyncio.create_task(self._app(scope, receive, send))
+        self._handlers.add(handler)
+        handler.add_done_callback(self._handlers.discard)
+        try:
+            await asyncio.wait({handler, self._killed}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:  # the client left: the handler runs on
+            gone.set_result(None)
+            raise
+        if not handler.done():  # killed while it ran
+            handler.cancel()
+            raise httpx.RemoteProtocolError("Server disconnected", request=request)
+        handler.result()  # an error in the fake engine is the test's to see
+        return httpx.Response(status, headers=headers, stream=httpx.ByteStream(b"".join(parts)))
+
+    def send(self, path: str, body: Mapping[str, Any], method: str = "POST") -> asyncio.Task[Any]:
+        """A client's request to the engine, as a task: cancelling it is the client leaving."""
+
+        async def request() -> httpx.Response:
+            # Straight through the link: a client closing would close its transport, the link.
+            response = await self.handle_async_request(
+                httpx.Request(method, f"http://engine{path}", json=body)
+            )
+            await response.aread()
+            return response
+
+        return asyncio.create_task(request(), name=f"client {method} {path}")
+
+    @contextlib.asynccontextmanager
+    async def in_flight(
+        self, path: str, body: Mapping[str, Any], within: float = 2.0
+    ) -> AsyncIterator[asyncio.Task[Any]]:
+        """One client request held in the engine while the test watches (it has arrived when
+        this enters); the client leaves on exit unless it was answered."""
+        task = self.send(path, body)
+        try:
+
+            async def arrived() -> bool:
+                return any(r["path"] == path and r["json"] == body for r in await self.requests())
+
+            await until(arrived, within, what=f"{path} to reach the engine")
+            yield task
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
 
     # --- what a test does to the engine's process ---------------------------------------------
     def freeze(self) -> None:
@@ -78,17 +217,28 @@ class EngineLink(httpx.AsyncBaseTransport):
         self._thawed.set()
 
     def kill(self) -> None:
-        """SIGKILL: every connection refused from now on."""
+        """SIGKILL: every connection refused from now on (served: the requests in flight end
+        with the server's disconnect)."""
         self.down = True
+        if not self._killed.done():
+            self._killed.set_result(None)
         self._thawed.set()
 
     async def restart(self, **config: Any) -> None:
-        """A new process on the same port: a fresh state (counters from zero)."""
+        """A new process on the same port: a fresh state (counters from zero), loading for
+        ``load_seconds`` again."""
         await self.admin.aclose()
+        await self._end_handlers()
         self.config = replace(self.config, **config)
         self._start()
         self.down = False
+        self._killed = asyncio.get_running_loop().create_future()
         self._thawed.set()
+
+    async def _end_handlers(self) -> None:
+        for handler in list(self._handlers):
+            handler.cancel()
+        await asyncio.gather(*self._handlers, return_exceptions=True)
 
     # --- its admin routes ---------------------------------------------------------------------
     async def fault(self, **faults: Any) -> dict[str, Any]:
@@ -99,8 +249,13 @@ class EngineLink(httpx.AsyncBaseTransport):
     async def requests(self) -> list[dict[str, Any]]:
         return (await self.admin.get("/_fake/requests")).json()  # type: ignore[no-any-return]
 
+    async def state_of(self) -> dict[str, Any]:
+        """GET /_fake/state: running, waiting, counters, per rank."""
+        return (await self.admin.get("/_fake/state")).json()  # type: ignore[no-any-return]
+
     async def aclose(self) -> None:
         await self.admin.aclose()
+        await self._end_handlers()
 
 
 @dataclass
@@ -110,9 +265,30 @@ class InProcessSidecar:
     surface: Surface
     engines: Mapping[str, EngineLink]
     http: httpx.AsyncClient
+    # The log lines the sidecar writes at its SIDECAR_LOG_LEVEL (its events' texts).
+    log: list[str] = field(default_factory=list)
 
     def now(self) -> float:
         return asyncio.get_running_loop().time()
+
+    def hear(self, event: Event) -> None:
+        """Health's subscriber: keep what the log would say."""
+        if event.text is not None and event.level >= logging.getLevelName(
+            self.settings.log_level.value
+        ):
+            self.log.append(event.text)
+
+    async def statuses(
+        self, seconds: float, path: str | None = None, step: float = 0.05
+    ) -> set[int]:
+        """Every status ``path`` (/health) answered, polled each ``step`` over ``seconds``."""
+        path = path or self.settings.health_path
+        loop = asyncio.get_running_loop()
+        end, seen = loop.time() + seconds, set()
+        while loop.time() < end:
+            seen.add((await self.get(path)).status_code)
+            await asyncio.sleep(step)
+        return seen
 
     async def get(self, path: str) -> httpx.Response:
         return await self.http.get(path)
@@ -183,8 +359,10 @@ async def running(
 
     monitor = asyncio.create_task(monitor_main(settings, health, plans, connect=connect))
     http = httpx.AsyncClient(transport=httpx.ASGITransport(app=surface.app), base_url="http://side")
+    side = InProcessSidecar(settings, health, surface, engines, http)
+    health.subscribe(side.hear)
     try:
-        yield InProcessSidecar(settings, health, surface, engines, http)
+        yield side
     finally:
         monitor.cancel()
         await asyncio.gather(monitor, return_exceptions=True)
