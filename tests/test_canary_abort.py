@@ -13,24 +13,19 @@ the sidecar does about it (docs/concepts/backends.md, "Timed-out canaries"):
   waiting and sends no other, so at most one is computed;
 - a Dynamo worker gets ``stop_generating()`` on the request plane.
 
-The fake engine does the same (``fakeengine/``), so the first tests run in a second. The real
-engines skip locally and fail under CI when missing (``tests/support/prerequisites.py``); SGLang
-and Dynamo need the private network namespace, so the whole module runs in one.
+The fake engine does the same (``fakeengine/``): its tests run in-process, in the unit tier,
+in ``tests/test_canary_abort_fake.py``. The real engines skip locally and fail under CI when
+missing (``tests/support/prerequisites.py``); SGLang and Dynamo need the private network
+namespace, so the whole module runs in one.
 """
 
 from __future__ import annotations
 
-import signal
-import tempfile
 from collections.abc import Iterator
-from dataclasses import replace
-from typing import Any
 
-import httpx
 import pytest
 
 from tests.support.abandoned import (
-    Engine,
     Figures,
     by_closing_client,
     by_sidecar,
@@ -42,7 +37,6 @@ from tests.support.abandoned import (
 )
 from tests.support.dynamo_vllm import DynamoVllmWorker
 from tests.support.engines import LlamaServer, MockerWorker
-from tests.support.harness import FakeEngine, wait_until
 from tests.support.netns import isolated  # noqa: F401 - the module's namespace fixture
 from tests.support.sglang_engine import SglangServer, sglang_server
 from tests.support.vllm_engine import VllmServer, aggregated_vllm
@@ -60,118 +54,8 @@ def show(figures: Figures) -> None:
     )
 
 
-# --- the fake engine ----------------------------------------------------------------------------
-def fake_engine(fake: FakeEngine, backend: str) -> Engine:
-    def read() -> dict[str, float]:
-        abandoned = fake.http.get(f"{fake.url}/_fake/state").json()["abandoned"]
-        return {key: float(value) for key, value in abandoned.items()}
-
-    return Engine(
-        name=f"fake {backend}",
-        url=fake.url,
-        sidecar_env={
-            "DYN_HEALTH_CHECK_ENABLED": "true",
-            "SIDECAR_BACKEND": backend,
-            "SIDECAR_ENGINE_URL": fake.url,
-        },
-        freeze=lambda: fake.fault(hang_generation=True),
-        thaw=lambda: fake.fault(hang_generation=False),
-        read=read,
-        computed_keys=("computed",),
-        aborted_key="aborted",
-    )
-
-
-def generations(fake: FakeEngine, path: str) -> list[dict[str, Any]]:
-    return [r for r in fake.requests() if r["path"] == path]
-
-
-def test_fake_sglang_canaries_are_aborted_by_rid(engine, sidecar):
-    fake = engine("sglang")
-    figures = by_sidecar(fake_engine(fake, "sglang"), sidecar, COUNT)
-    show(figures)
-    assert figures.timed_out >= COUNT
-    assert figures.computed == 0
-    assert figures.aborted == figures.timed_out
-    rids = [r["json"]["rid"] for r in generations(fake, "/generate")]
-    aborted = [r["json"]["rid"] for r in generations(fake, "/abort_request")]
-    assert set(aborted) <= set(rids)
-    assert len(aborted) >= figures.timed_out
-    metrics = fake.http.get(f"{fake.url}/metrics").text
-    assert "sglang:num_aborted_requests_total{" in metrics
-
-
-def test_fake_sglang_runs_an_abandoned_request_on_until_it_notices():
-    """Without the abort, a canary whose client left is computed when the scheduler resumes
-    within SGLang's 4 s: what the abort is for."""
-    fake = FakeEngine("sglang").start()
-    try:
-        engine = fake_engine(fake, "sglang")
-        engine.freeze()
-        with pytest.raises(httpx.TimeoutException):
-            httpx.post(
-                f"{fake.url}/generate",
-                json={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}, "rid": "x"},
-                timeout=0.3,
-                trust_env=False,
-            )
-        engine.thaw()
-
-        def abandoned() -> dict[str, int]:
-            return fake.http.get(f"{fake.url}/_fake/state").json()["abandoned"]
-
-        # Resumed, the engine reads the request and computes it: wait for that to be counted.
-        wait_until(lambda: sum(abandoned().values()) > 0, 1, what="the request to be counted")
-        assert abandoned() == {"aborted": 0, "computed": 1}
-    finally:
-        fake.close()
-
-
-def test_fake_vllm_aborts_on_close_and_gets_no_abort_request(engine, sidecar):
-    fake = engine("vllm")
-    figures = by_sidecar(fake_engine(fake, "vllm"), sidecar, COUNT)
-    show(figures)
-    assert figures.computed == 0
-    assert figures.aborted is not None
-    assert figures.aborted >= figures.timed_out >= COUNT
-    assert not generations(fake, "/abort_request")
-
-
-def test_fake_llama_server_frozen_whole_gets_one_canary_at_a_time(engine, sidecar):
-    """Frozen whole (SIGSTOP), as the real one below: the kept canary is the only one sent."""
-    fake = engine("openai")
-    whole = replace(
-        fake_engine(fake, "openai"),
-        freeze=lambda: fake.proc.signal(signal.SIGSTOP),
-        thaw=lambda: fake.proc.signal(signal.SIGCONT),
-    )
-    figures = by_sidecar(whole, sidecar, COUNT)
-    show(figures)
-    assert figures.timed_out >= COUNT
-    assert figures.computed <= 1
-    assert len(generations(fake, "/v1/completions")) <= 2  # the first canary, and the kept one
-
-
-def test_fake_llama_server_with_its_http_alive_gets_each_canary_cancelled(engine, sidecar):
-    """Compute hung, HTTP alive: its /health answers, so the kept canary is closed and llama-server
-    cancels it; a fresh canary follows."""
-    fake = engine("openai")
-
-    def thaw() -> None:
-        # The fake llama-server notices a closed connection within 1 s: the compute resumes once
-        # it has let go of every canary the sidecar closed (the last one as the sidecar stopped).
-        state = f"{fake.url}/_fake/state"
-        wait_until(lambda: fake.http.get(state).json()["running"] == 0, 3, what="canaries let go")
-        fake.fault(hang_generation=False)
-
-    figures = by_sidecar(replace(fake_engine(fake, "openai"), thaw=thaw), sidecar, COUNT)
-    show(figures)
-    assert figures.timed_out >= COUNT
-    assert figures.computed == 0
-    assert figures.aborted >= figures.timed_out
-
-
 # --- real engines -------------------------------------------------------------------------------
+@pytest.mark.engine
 def test_llama_server_computes_at_most_one(sidecar):
     server = LlamaServer("TINY_GGUF").start()
     try:
@@ -189,6 +73,7 @@ def vllm() -> Iterator[VllmServer]:
         yield server
 
 
+@pytest.mark.engine
 def test_vllm_aborts_timed_out_canaries(vllm, sidecar):
     figures = by_sidecar(vllm_engine(vllm), sidecar, COUNT)
     show(figures)
@@ -204,6 +89,7 @@ def sglang() -> Iterator[SglangServer]:
         yield server
 
 
+@pytest.mark.engine
 def test_sglang_aborts_timed_out_canaries_by_rid(sglang, sidecar):
     figures = by_sidecar(sglang_engine(sglang), sidecar, COUNT)
     show(figures)
@@ -213,8 +99,9 @@ def test_sglang_aborts_timed_out_canaries_by_rid(sglang, sidecar):
     assert figures.aborted >= figures.timed_out - 1
 
 
-def test_dynamo_mocker_stops_timed_out_canaries(sidecar):
-    worker = MockerWorker(tempfile.mkdtemp(prefix="abort-dynamo-")).start()
+@pytest.mark.engine
+def test_dynamo_mocker_stops_timed_out_canaries(sidecar, tmp_path):
+    worker = MockerWorker(tmp_path).start()
     try:
         figures = by_sidecar(mocker_engine(worker), sidecar, COUNT)
     finally:
@@ -226,12 +113,13 @@ def test_dynamo_mocker_stops_timed_out_canaries(sidecar):
     assert figures.computed <= figures.timed_out + 1
 
 
-def test_dynamo_vllm_stops_timed_out_canaries(sidecar):
+@pytest.mark.engine
+def test_dynamo_vllm_stops_timed_out_canaries(sidecar, tmp_path):
     """The real ``python -m dynamo.vllm`` with its EngineCore frozen (its request plane alive, as
     when the GPU loop hangs): the sidecar's ``stop_generating()`` reaches the worker, which aborts
     the vLLM request before the engine's next step; a client that only drops its stream gets
     every canary computed after SIGCONT. About a minute, most of it the worker's start."""
-    worker = DynamoVllmWorker(kv_dir=tempfile.mkdtemp(prefix="abort-dynamo-vllm-"))
+    worker = DynamoVllmWorker(kv_dir=tmp_path)
     try:
         worker.start()
         engine = dynamo_vllm_engine(worker)

@@ -1,17 +1,26 @@
 """Engine misbehaviour: every way an engine can break HTTP gives a notready verdict with a precise
 reason, never a crash; and a thousand of them leak no socket, file descriptor or task.
 
-The engine is ``tests/support/misbehaving.py``, a raw asyncio HTTP server run as a real process,
-whose
-mode is switched at runtime. The sidecar runs as users run it (``python -m sidecar``). What the
-sidecar holds is read from outside, from Linux's /proc: its file descriptors, its TCP sockets
-and their states, its threads and its resident memory. Its asyncio tasks cannot be read from
-outside (it has no debug route); a leaked task that holds a connection shows as a socket, and
-one that holds buffers as memory, which is what the leak test bounds.
+The engine is ``tests/support/misbehaving.py``, a raw asyncio HTTP server whose mode is switched
+at runtime. Each misbehaviour is shown in-process on a virtual clock (the unit tier): the whole
+sidecar (``tests/support/inprocess.py``) against the same engine's modes served over an in-memory
+network, so that the sidecar's engine client parses the very bytes the engine sends, with httpx's
+own HTTP/1.1 parser, and every deadline is exact.
+
+What only real sockets show stays in the process tier, with the engine run as a real process and
+the sidecar as users run it (``python -m sidecar``): a FIN before the promised body ends, a FIN
+before any byte, a RST mid-body (SO_LINGER 0), a slowloris that keeps one TCP connection
+trickling; and the leak test, which reads from outside, from Linux's /proc, what the sidecar
+holds: its file descriptors, its TCP sockets and their states, its threads and its resident
+memory. Its asyncio tasks cannot be read from outside (it has no debug route); a leaked task that
+holds a connection shows as a socket, and one that holds buffers as memory, which is what the
+leak test bounds.
 """
 
 from __future__ import annotations
 
+import gc
+import logging
 import re
 import time
 from collections import Counter
@@ -23,10 +32,11 @@ from typing import Any
 import pytest
 
 from tests.support.harness import Sidecar, wait_until
-from tests.support.misbehaving import MODES, MisbehavingEngine
+from tests.support.inprocess import InProcessSidecar, run_virtually, running, until
+from tests.support.misbehaving import MODES, InProcessMisbehaving, MisbehavingEngine
 
 QUIET_DRAIN = {"SIDECAR_DRAIN_TIMEOUT": "0.1"}  # stop promptly at teardown (SIGTERM drains)
-CANARY_ON = QUIET_DRAIN | {
+CANARY_ON = {
     "DYN_HEALTH_CHECK_ENABLED": "true",
     "DYN_CANARY_WAIT_TIME": "1",
     "DYN_HEALTH_CHECK_REQUEST_TIMEOUT": "0.5",
@@ -34,6 +44,8 @@ CANARY_ON = QUIET_DRAIN | {
 }
 MISBEHAVIOURS = tuple(mode for mode in MODES if mode != "ok")
 SLOW = ("trickle", "headers_then_silence", "silence")  # each canary costs the whole timeout
+# Shown on real sockets too (the process tier): what the kernel does to a connection.
+ON_SOCKETS = ("short_body", "reset_mid_body", "close_without_answer", "trickle")
 # In the sidecar's log: a traceback, or asyncio reporting a task lost or failed unobserved.
 TROUBLE = re.compile(
     r"Traceback|Task was destroyed but it is pending|exception was never retrieved|"
@@ -56,14 +68,20 @@ def misbehaving() -> Iterator[Callable[[str], MisbehavingEngine]]:
         engine.close()
 
 
-def last_canary(side: Sidecar) -> dict[str, Any] | None:
-    return side.health()[1]["checks"]["generate"]["last_canary"]
-
-
-def canary_totals(side: Sidecar) -> Counter[str]:
+def canary_totals(metrics: str) -> Counter[str]:
     """health_sidecar_canary_total by outcome, from /metrics."""
     pattern = r'^health_sidecar_canary_total\{endpoint="generate",outcome="(\w+)"\} (\S+)$'
-    return Counter({m[1]: int(float(m[2])) for m in re.finditer(pattern, side.metrics(), re.M)})
+    return Counter({m[1]: int(float(m[2])) for m in re.finditer(pattern, metrics, re.M)})
+
+
+def trouble(caplog: pytest.LogCaptureFixture, recwarn: pytest.WarningsRecorder) -> list[str]:
+    """What the in-process sidecar's log and warnings say of trouble (TROUBLE, as in its
+    process's output): a record with a traceback, asyncio's reports, a ResourceWarning."""
+    gc.collect()  # a task destroyed while pending is reported when it is collected
+    found = [r.getMessage() for r in caplog.records if r.exc_info]
+    found += TROUBLE.findall(caplog.text)
+    found += [str(w.message) for w in recwarn if issubclass(w.category, ResourceWarning)]
+    return found
 
 
 # --- each misbehaviour: notready with a precise reason, still serving ----------------------------
@@ -94,18 +112,93 @@ CASES = [
     case("close_without_answer", "vllm", "error", "connection broke"),
     case("not_http", "openai", "error", "connection broke"),
 ]
+SOCKET_CASES = [param for param in CASES if param.values[0] in ON_SOCKETS]
 
 
+@pytest.mark.unit
 def test_every_misbehaviour_has_a_case() -> None:
     assert {param.values[0] for param in CASES} == set(MISBEHAVIOURS)
+    assert {param.values[0] for param in SOCKET_CASES} == set(ON_SOCKETS)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(("mode", "backend", "outcome", "fragments"), CASES)
 def test_misbehaviour_is_notready_with_a_precise_reason(
+    caplog, recwarn, mode: str, backend: str, outcome: str, fragments: tuple[str, ...]
+) -> None:
+    caplog.set_level(logging.INFO)
+
+    async def main() -> None:
+        engine = InProcessMisbehaving(mode)
+        env = CANARY_ON | {"SIDECAR_BACKEND": backend, "SIDECAR_ENGINE_URL": engine.url}
+        async with running(env, {engine.url: engine}) as side:
+
+            async def failed_twice() -> bool:
+                check = (await side.health_body())[1]["checks"]["generate"]
+                return check["consecutive_failures"] >= 2
+
+            await until(failed_twice, 3, what=f"two failed canaries ({mode})")
+            status, body = await side.health_body()
+            check = body["checks"]["generate"]
+            assert status == 503
+            assert body["status"] == "notready"
+            assert check["registered"] is True, check  # the canary decided, not registration
+            last = check["last_canary"]
+            assert last["outcome"] == outcome, last
+            for fragment in fragments:
+                assert fragment in last["reason"], last
+            assert last["reason"] in body["reason"]
+            assert (await side.get("/live")).status_code == 200  # no reason to restart yet
+            assert (await side.get("/sidecar/live")).status_code == 200  # its monitor runs on
+            assert canary_totals(await side.metrics())[outcome] >= 2
+            if mode == "redirect":
+                assert engine.stats()["redirect_target_connections"] == 0  # not followed
+
+            # The sidecar recovers as soon as the engine answers well: nothing was left stuck.
+            engine.set_mode("ok")
+            await side.wait_status(200, 3)
+            assert (await side.get("/sidecar/live")).status_code == 200
+            await _no_connection_left_open(side, engine)
+
+    run_virtually(main)  # and no task outlives the sidecar
+    assert not trouble(caplog, recwarn)
+
+
+async def _no_connection_left_open(side: InProcessSidecar, engine: InProcessMisbehaving) -> None:
+    """Between canaries, the engine holds no connection from the sidecar open (the registration
+    checks and metrics reads come and go within the same instant)."""
+    opened = engine.stats()["total_connections"]
+    await until(lambda: engine.stats()["total_connections"] > opened, 2, what="a new exchange")
+    await until(lambda: engine.stats()["open_connections"] == 0, 1, 0.01, "no connection open")
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("backend", ["vllm", "openai"])
+def test_negative_control_a_well_behaved_engine_is_ready(backend) -> None:
+    """The same engine in its "ok" mode passes: the cases above fail for their misbehaviour."""
+
+    async def main() -> None:
+        engine = InProcessMisbehaving("ok")
+        env = CANARY_ON | {"SIDECAR_BACKEND": backend, "SIDECAR_ENGINE_URL": engine.url}
+        async with running(env, {engine.url: engine}) as side:
+            await side.wait_status(200, 3)
+            _, body = await side.health_body()
+            assert body["checks"]["generate"]["last_canary"]["outcome"] == "success"
+
+    run_virtually(main)
+
+
+@pytest.mark.process
+@pytest.mark.parametrize(("mode", "backend", "outcome", "fragments"), SOCKET_CASES)
+def test_on_real_sockets_misbehaviour_is_notready_with_a_precise_reason(
     misbehaving, sidecar, mode: str, backend: str, outcome: str, fragments: tuple[str, ...]
 ) -> None:
+    """What the kernel does to a connection (FIN mid-body, FIN before a byte, RST mid-body, a
+    trickle on one TCP connection) reaches the sidecar as users run it with the same reason."""
     engine = misbehaving(mode)
-    side = sidecar(CANARY_ON | {"SIDECAR_BACKEND": backend, "SIDECAR_ENGINE_URL": engine.url})
+    side = sidecar(
+        QUIET_DRAIN | CANARY_ON | {"SIDECAR_BACKEND": backend, "SIDECAR_ENGINE_URL": engine.url}
+    )
 
     def failed_twice() -> dict[str, Any] | None:
         check = side.health()[1]["checks"]["generate"]
@@ -123,24 +216,13 @@ def test_misbehaviour_is_notready_with_a_precise_reason(
     assert last["reason"] in body["reason"]
     assert side.get("/live").status_code == 200  # none of these is a reason to restart yet
     assert side.proc.popen.poll() is None
-    assert canary_totals(side)[outcome] >= 2
-    if mode == "redirect":
-        assert engine.stats()["redirect_target_connections"] == 0  # not followed
+    assert canary_totals(side.metrics())[outcome] >= 2
 
     # The sidecar recovers as soon as the engine answers well: nothing was left stuck.
     engine.set_mode("ok")
     side.wait_status(200, 3)
     assert side.proc.popen.poll() is None
     assert not TROUBLE.findall(side.proc.output()), side.proc.output()[-3000:]
-
-
-@pytest.mark.parametrize("backend", ["vllm", "openai"])
-def test_negative_control_a_well_behaved_engine_is_ready(misbehaving, sidecar, backend) -> None:
-    """The same server in its "ok" mode passes: the cases above fail for their misbehaviour."""
-    engine = misbehaving("ok")
-    side = sidecar(CANARY_ON | {"SIDECAR_BACKEND": backend, "SIDECAR_ENGINE_URL": engine.url})
-    side.wait_status(200, 3)
-    assert last_canary(side)["outcome"] == "success"
 
 
 # --- a thousand misbehaving canaries leak nothing ------------------------------------------------
@@ -258,6 +340,7 @@ def run_round(engine: MisbehavingEngine, fast: int, slow: int) -> None:
         run_segment(engine, mode, slow if mode in SLOW else fast, timeout=10)
 
 
+@pytest.mark.process
 def test_a_thousand_misbehaving_canaries_leak_nothing(misbehaving, sidecar) -> None:
     engine = misbehaving("ok")
     side = sidecar(LEAK_ENV | {"SIDECAR_ENGINE_URL": engine.url})
@@ -270,11 +353,11 @@ def test_a_thousand_misbehaving_canaries_leak_nothing(misbehaving, sidecar) -> N
     side.wait_status(200, 3)
     baseline = settled_held(pid)
     baseline_tasks = settled_tasks(side)
-    warm = sum(canary_totals(side).values())
+    warm = sum(canary_totals(side.metrics()).values())
 
     started = time.monotonic()
     rounds: list[Held] = []
-    while sum(canary_totals(side).values()) - warm < TARGET_CANARIES:
+    while sum(canary_totals(side.metrics()).values()) - warm < TARGET_CANARIES:
         assert time.monotonic() - started < 90, "1,000 canaries took too long"
         run_round(engine, fast=20, slow=3)
         rounds.append(held(pid))
@@ -285,7 +368,7 @@ def test_a_thousand_misbehaving_canaries_leak_nothing(misbehaving, sidecar) -> N
     side.wait_status(200, 3)  # recovers at once: no connection slot was left stuck
     after = settled_held(pid)
     after_tasks = settled_tasks(side)
-    totals = canary_totals(side)
+    totals = canary_totals(side.metrics())
     report = (
         f"{sum(totals.values()) - warm} canaries in {elapsed:.1f} s {dict(totals)}; "
         f"baseline {baseline}; after {after}; per round {[(r.fds, r.sockets) for r in rounds]}; "

@@ -1,27 +1,37 @@
 """The sidecar's HTTP surface against its own OpenAPI schema, and what its routes do with requests
 they did not ask for: no 5xx, no crash, queries and bodies ignored, the verdict unchanged.
 
-The schema is read from the running sidecar (``GET /openapi.json``) by schemathesis' own runner
-(``st run``, every check, coverage and fuzzing phases), so what is checked is what is served.
-``pytest``-side integration (``schemathesis.pytest.from_fixture``) does not work with pytest 9
-(it sets ``Function._nodeid``, which pytest 9 no longer has), hence the command line.
+Schemathesis fuzzes the schema the running sidecar serves (``GET /openapi.json``) with its own
+runner (``st run``, every check, coverage and fuzzing phases) through the sidecar's real HTTP
+server, so what is checked is what is served: the process tier. ``pytest``-side integration
+(``schemathesis.pytest.from_fixture``) does not work with pytest 9 (it sets ``Function._nodeid``,
+which pytest 9 no longer has), hence the command line.
+
+The rest is the app's decision, shown in-process (the unit tier): the schema's contract, and the
+routes' answers to any query, body, header or method, against a sidecar whose state stands
+still (run on a virtual clock until ready, then its monitor stopped and its clock held).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
+from fastapi import FastAPI
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.support.harness import FakeEngine, Sidecar, running, wait_until
+from tests.support.engineprocess import ProcessLink
+from tests.support.harness import Sidecar, wait_until
+from tests.support.inprocess import run_virtually
+from tests.support.inprocess import running as running_in_process
 
 QUIET_DRAIN = {"SIDECAR_DRAIN_TIMEOUT": "0.1"}  # stop promptly at teardown (SIGTERM drains)
 CANARY_ON = QUIET_DRAIN | {
@@ -77,18 +87,12 @@ def schemathesis_run(side: Sidecar, workdir: Path, config: str | None = None) ->
     return report
 
 
-@pytest.fixture(scope="module")
-def ready() -> Iterator[Sidecar]:
+@pytest.mark.process
+def test_schemathesis_ready_sidecar_no_server_error(engine, sidecar, tmp_path: Path) -> None:
     """A ready, live sidecar: canaries on, against the fake engine."""
-    fake = FakeEngine("vllm").start()
-    side = Sidecar(CANARY_ON | {"SIDECAR_ENGINE_URL": fake.url})
-    with running(fake, side):
-        side.wait_serving()
-        side.wait_status(200, 5)
-        yield side
-
-
-def test_schemathesis_ready_sidecar_no_server_error(ready: Sidecar, tmp_path: Path) -> None:
+    fake = engine("vllm")
+    ready = sidecar(CANARY_ON | {"SIDECAR_ENGINE_URL": fake.url})
+    ready.wait_status(200, 5)
     report = schemathesis_run(ready, tmp_path)
     assert "Operations:       8 selected / 8 total" in report, report
     assert ready.proc.popen.poll() is None, "the sidecar died under schemathesis"
@@ -96,6 +100,7 @@ def test_schemathesis_ready_sidecar_no_server_error(ready: Sidecar, tmp_path: Pa
     assert ready.get("/live").status_code == 200
 
 
+@pytest.mark.process
 def test_schemathesis_notready_sidecar_no_server_error(engine, sidecar, tmp_path: Path) -> None:
     """Notready with a failing canary: the 503 body is built from the richest state."""
     fake = engine("vllm")
@@ -114,16 +119,18 @@ def test_schemathesis_notready_sidecar_no_server_error(engine, sidecar, tmp_path
     assert side.get("/metrics").status_code == 200
 
 
-def test_schema_lists_exactly_the_contract(ready: Sidecar) -> None:
-    paths = ready.get("/openapi.json").json()["paths"]
+@pytest.mark.unit
+def test_schema_lists_exactly_the_contract(settled: AppClient) -> None:
+    paths = settled.get("/openapi.json").json()["paths"]
     assert set(paths) == set(ROUTES)
     for path in PROBES:
         assert set(paths[path]) == {"get", "head"}, path
         assert {"200", "503"} <= set(paths[path]["get"]["responses"]), path
 
 
-def test_schema_operation_ids_are_unique(ready: Sidecar) -> None:
-    paths = ready.get("/openapi.json").json()["paths"]
+@pytest.mark.unit
+def test_schema_operation_ids_are_unique(settled: AppClient) -> None:
+    paths = settled.get("/openapi.json").json()["paths"]
     ids = [op["operationId"] for ops in paths.values() for op in ops.values()]
     assert len(ids) == len(set(ids)), ids
 
@@ -154,22 +161,56 @@ def stable(body: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in body.items() if k not in ("uptime", "monitor_heartbeat_age_seconds")}
 
 
+URL = "http://engine:8000"
+
+
+def settled_app() -> FastAPI:
+    """The app of a ready sidecar whose state stands still: run in-process on a virtual clock
+    until one canary passed (the next an hour away), then its monitor stopped and the clock its
+    answers read held where it stopped."""
+
+    async def main() -> FastAPI:
+        engine = ProcessLink("vllm")
+        env = CANARY_ON | {"SIDECAR_ENGINE_URL": URL, "DYN_CANARY_WAIT_TIME": "3600"}
+        async with running_in_process(env, {URL: engine}) as side:
+            await side.wait_status(200, 5)
+            held = side.now()
+            side.health.clock = lambda: held  # type: ignore[method-assign]
+            return side.surface.app
+
+    return run_virtually(main)
+
+
+class AppClient:
+    """A plain client of an app in-process: each request one ``asyncio.run`` over httpx's ASGI
+    transport (no thread, no socket)."""
+
+    def __init__(self, app: FastAPI) -> None:
+        self.app = app
+
+    def request(self, method: str, path: str, **options: Any) -> httpx.Response:
+        async def one() -> httpx.Response:
+            transport = httpx.ASGITransport(app=self.app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://side") as client:
+                return await client.request(method, path, **options)
+
+        return asyncio.run(one())
+
+    def get(self, path: str) -> httpx.Response:
+        return self.request("GET", path)
+
+
 @pytest.fixture(scope="module")
-def settled() -> Iterator[Sidecar]:
-    """A ready sidecar whose state stands still: one canary passed, the next one an hour away."""
-    fake = FakeEngine("vllm").start()
-    env = CANARY_ON | {"SIDECAR_ENGINE_URL": fake.url, "DYN_CANARY_WAIT_TIME": "3600"}
-    side = Sidecar(env)
-    with running(fake, side):
-        side.wait_serving()
-        side.wait_status(200, 5)
-        yield side
+def settled() -> AppClient:
+    """A client of the settled app, in-process (a unit test asks for it first)."""
+    return AppClient(settled_app())
 
 
+@pytest.mark.unit
 @given(path=st.sampled_from(ROUTES), query=QUERIES, body=BODIES, headers=HEADERS, data=st.data())
 @settings(max_examples=60, deadline=None, database=None)
 def test_get_ignores_query_strings_bodies_and_headers(
-    settled: Sidecar,
+    settled: AppClient,
     path: str,
     query: dict[str, str],
     body: bytes,
@@ -177,9 +218,7 @@ def test_get_ignores_query_strings_bodies_and_headers(
     data: st.DataObject,
 ) -> None:
     plain = settled.get(path)
-    fuzzed = settled.http.request(
-        "GET", f"{settled.url}{path}", params=query, content=body, headers=headers
-    )
+    fuzzed = settled.request("GET", path, params=query, content=body, headers=headers)
     assert fuzzed.status_code == plain.status_code == 200
     assert fuzzed.headers["content-type"] == plain.headers["content-type"]
     if path == "/metrics":
@@ -187,19 +226,21 @@ def test_get_ignores_query_strings_bodies_and_headers(
     else:
         assert stable(fuzzed.json()) == stable(plain.json())
     method = data.draw(st.sampled_from(UNSAFE_METHODS), label="method")
-    refused = settled.http.request(
-        method, f"{settled.url}{path}", params=query, content=body, headers=headers
-    )
+    refused = settled.request(method, path, params=query, content=body, headers=headers)
     assert refused.status_code == 405, (method, path, refused.text)
     assert "GET" in refused.headers["allow"]
 
 
-def test_unsafe_methods_leave_the_verdict_unchanged(settled: Sidecar) -> None:
-    before = (stable(settled.health()[1]), settled.metrics())
+@pytest.mark.unit
+def test_unsafe_methods_leave_the_verdict_unchanged(settled: AppClient) -> None:
+    def state() -> tuple[dict[str, Any], str]:
+        return stable(settled.get("/health").json()), settled.get("/metrics").text
+
+    before = state()
     for path in ROUTES:
         for method in UNSAFE_METHODS:
             for body in (b"", b'{"status": "notready"}', b"\x00" * 4096):
-                answer = settled.http.request(method, f"{settled.url}{path}?ready=0", content=body)
+                answer = settled.request(method, f"{path}?ready=0", content=body)
                 assert answer.status_code == 405, (method, path)
-    assert (stable(settled.health()[1]), settled.metrics()) == before
+    assert state() == before
     assert settled.get("/health").status_code == 200

@@ -1,15 +1,24 @@
 """Security: the sidecar talks to SIDECAR_ENGINE_URL only, never shows the engine API key, and
 nothing it serves can change its state.
 
-Everything is loopback: the fake engine, a recording TCP relay put between the sidecar and the
-engine (it sees every connection and every request head), and a trap listener named in every
-proxy variable (it must see nothing). What the sidecar connects to is also read from outside,
-from its sockets in /proc.
+What the sidecar decides (the bearer token on every request, every reason it serves or logs
+scrubbed of the key and of credentials an engine echoes, no route that changes its state or sends
+a canary) is shown in-process on a virtual clock (the unit tier): the whole sidecar
+(``tests/support/inprocess.py``) against the fake engine's app, which records every request it
+is sent (``tests/support/engineprocess.py``), and the command line called in-process.
+
+What only a real process shows stays in the process tier, everything on loopback: the sidecar as
+users run it, with a recording TCP relay put between it and the engine (it sees every connection
+and every request head) and a trap listener named in every proxy variable (it must see nothing);
+what the sidecar connects to, read from outside, from its sockets in /proc; the key in the
+process's whole output at DEBUG; and what its HTTP server does with bytes that are not a request
+the app ever sees.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import re
 import socket
 import threading
@@ -21,8 +30,11 @@ from typing import Any
 
 import pytest
 
-from tests.support.configured import run_cli
+from sidecar.config import Settings
+from sidecar.tools import cli
+from tests.support.engineprocess import ProcessLink
 from tests.support.harness import LOOPBACK, Sidecar, wait_until
+from tests.support.inprocess import InProcessSidecar, run_virtually, running, until
 
 QUIET_DRAIN = {"SIDECAR_DRAIN_TIMEOUT": "0.1"}  # stop promptly at teardown (SIGTERM drains)
 CANARY_ON = QUIET_DRAIN | {
@@ -33,6 +45,7 @@ CANARY_ON = QUIET_DRAIN | {
 }
 PROXY_VARIABLES = ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy")
 PROXY_VARIABLES += ("all_proxy",)
+URL = "http://engine:8000"
 REQUEST_HEAD = re.compile(
     rb"(GET|POST|HEAD|PUT|DELETE|PATCH|OPTIONS) (\S+) HTTP/1\.[01]\r\n(.*?)\r\n\r\n", re.S
 )
@@ -179,9 +192,19 @@ def canaries_at(fake: Any) -> list[dict[str, Any]]:
     return [r for r in fake.requests() if r["path"] == "/v1/completions"]
 
 
+async def canaries_of(engine: ProcessLink) -> list[dict[str, Any]]:
+    return [r for r in await engine.requests() if r["path"] == "/v1/completions"]
+
+
+async def last_canary(side: InProcessSidecar) -> dict[str, Any] | None:
+    _, body = await side.health_body()
+    return body["checks"]["generate"]["last_canary"]  # type: ignore[no-any-return]
+
+
 # --- the sidecar sends requests only to SIDECAR_ENGINE_URL ---------------------------------------
 
 
+@pytest.mark.process
 def test_requests_go_only_to_the_engine_url_whatever_the_proxy_variables(
     engine, sidecar, listeners
 ) -> None:
@@ -226,16 +249,89 @@ def distinctive_key() -> tuple[str, str]:
     return f"sk-hs-{needle}", needle
 
 
+EXPOSED = ("/health", "/live", "/metrics", "/openapi.json", "/nope")
+
+
 def exposed(side: Sidecar) -> dict[str, str]:
     """Everything the sidecar serves, as text: bodies and headers, GET and HEAD."""
     seen = {}
-    for path in ("/health", "/live", "/metrics", "/openapi.json", "/nope"):
+    for path in EXPOSED:
         for method in ("GET", "HEAD"):
             answer = side.http.request(method, f"{side.url}{path}")
             seen[f"{method} {path}"] = answer.text + repr(dict(answer.headers))
     return seen
 
 
+async def exposed_in_process(side: InProcessSidecar) -> dict[str, str]:
+    """Everything the in-process sidecar's app serves, as text: bodies and headers, GET and
+    HEAD."""
+    seen = {}
+    for path in EXPOSED:
+        for method in ("GET", "HEAD"):
+            answer = await side.http.request(method, path)
+            seen[f"{method} {path}"] = answer.text + repr(dict(answer.headers))
+    return seen
+
+
+def logged_as_the_command_line_logs(caplog: pytest.LogCaptureFixture) -> None:
+    """Every record at DEBUG, httpx's and httpcore's from WARNING (sidecar/tools/cli.py)."""
+    for name in ("httpx", "httpcore"):
+        caplog.set_level(logging.WARNING, logger=name)
+    caplog.set_level(logging.DEBUG)  # last: it sets the capturing handler's level too
+
+
+@pytest.mark.unit
+def test_api_key_is_every_requests_bearer_and_appears_in_nothing_served_or_logged(caplog) -> None:
+    """Every request the sidecar sends carries the key as a bearer token; through the engine's
+    rejection (401) and a hang long enough to fail liveness, no body, header or log line shows
+    it."""
+    key, needle = distinctive_key()
+    logged_as_the_command_line_logs(caplog)
+    env = CANARY_ON | {
+        "SIDECAR_ENGINE_URL": URL,
+        "SIDECAR_ENGINE_API_KEY": key,
+        "SIDECAR_LOG_LEVEL": "DEBUG",
+        "SIDECAR_LIVENESS_WINDOW": "0.5",  # let liveness fail too: its reason is served
+    }
+    seen: dict[str, str] = {}
+
+    async def main() -> None:
+        engine = ProcessLink("vllm")
+        async with running(env, {URL: engine}) as side:
+            await side.wait_status(200, 5)
+            seen.update(await exposed_in_process(side))
+            # Every request, canary or not, carries it as a bearer token.
+            assert engine.sent
+            bearers = {s.headers.get("authorization") for s in engine.sent}
+            assert bearers == {f"Bearer {key}"}, bearers
+            assert (await canaries_of(engine))[0]["headers"]["authorization"] == f"Bearer {key}"
+
+            # The engine rejects the key, then hangs: every error path formats a reason.
+            await engine.fault(
+                generation_status=401, generation_error="Unauthorized: invalid API key"
+            )
+            await side.wait_status(503, 3)
+
+            async def rejected() -> bool:
+                return "Unauthorized" in (await side.health_body())[1]["reason"]
+
+            await until(rejected, 3, what="the engine's rejection")
+            seen.update({f"401 {k}": v for k, v in (await exposed_in_process(side)).items()})
+            await engine.fault(generation_status=None, hang_generation=True)
+            await side.wait_status(503, 3, path="/live")
+            seen.update({f"hang {k}": v for k, v in (await exposed_in_process(side)).items()})
+            await engine.fault(hang_generation=False)
+            await side.wait_status(200, 3)
+            seen["events"] = "\n".join(side.log)
+
+    run_virtually(main)
+    seen["log"] = caplog.text
+    assert any(r.levelno == logging.DEBUG for r in caplog.records)  # DEBUG was really on
+    leaked = [where for where, text in seen.items() if needle in text]
+    assert not leaked, leaked
+
+
+@pytest.mark.process
 def test_api_key_reaches_the_engine_and_appears_nowhere_else(engine, sidecar, listeners) -> None:
     key, needle = distinctive_key()
     fake = engine("vllm")
@@ -277,78 +373,110 @@ def test_api_key_reaches_the_engine_and_appears_nowhere_else(engine, sidecar, li
     assert not leaked, leaked
 
 
-def test_api_key_absent_from_check_config_and_config_errors() -> None:
+def environment(monkeypatch: pytest.MonkeyPatch, env: dict[str, str]) -> None:
+    """Exactly ``env`` of the variables the sidecar reads, as ``python -m sidecar`` would find
+    them."""
+    for field in Settings.model_fields.values():
+        monkeypatch.delenv(str(field.validation_alias), raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+
+
+@pytest.mark.unit
+def test_api_key_absent_from_check_config_and_config_errors(monkeypatch, capsys) -> None:
+    """The command line, called in-process as ``python -m sidecar`` calls it."""
     key, needle = distinctive_key()
+
+    def run(*args: str, **env: str) -> tuple[int, str, str]:
+        environment(monkeypatch, {"SIDECAR_ENGINE_API_KEY": key} | env)
+        code = cli.main(list(args))
+        out = capsys.readouterr()
+        return code, out.out, out.err
+
     outputs = {
-        "check-config": run_cli("--check-config", env={"SIDECAR_ENGINE_API_KEY": key}),
-        "probes": run_cli("probes", env={"SIDECAR_ENGINE_API_KEY": key}),
-        "bad port": run_cli(
-            "--check-config", env={"SIDECAR_ENGINE_API_KEY": key, "DYN_SYSTEM_PORT": "70000"}
-        ),
-        "bad everything": run_cli(
-            env={
-                "SIDECAR_ENGINE_API_KEY": key,
-                "DYN_SYSTEM_PORT": "x",
-                "SIDECAR_BACKEND": "tgi",
-                "SIDECAR_ENGINE_URL": "ftp://x",
-            }
+        "check-config": run("--check-config"),
+        "probes": run("probes"),
+        "bad port": run("--check-config", DYN_SYSTEM_PORT="70000"),
+        "bad everything": run(
+            DYN_SYSTEM_PORT="x", SIDECAR_BACKEND="tgi", SIDECAR_ENGINE_URL="ftp://x"
         ),
     }
-    assert outputs["check-config"].returncode == 0, outputs["check-config"].stderr
-    assert "bearer token from SIDECAR_ENGINE_API_KEY" in outputs["check-config"].stdout
-    assert outputs["bad port"].returncode == 2
-    assert outputs["bad everything"].returncode == 2
-    assert len(outputs["bad everything"].stderr.splitlines()) == 3
-    texts = {name: done.stdout + done.stderr for name, done in outputs.items()}
+    assert outputs["check-config"][0] == 0, outputs["check-config"][2]
+    assert "bearer token from SIDECAR_ENGINE_API_KEY" in outputs["check-config"][1]
+    assert outputs["probes"][0] == 0, outputs["probes"][2]
+    assert outputs["bad port"][0] == 2
+    assert outputs["bad everything"][0] == 2
+    assert len(outputs["bad everything"][2].splitlines()) == 3
+    texts = {name: out + err for name, (_, out, err) in outputs.items()}
     leaked = [name for name, text in texts.items() if needle in text]
     assert not leaked, {name: texts[name] for name in leaked}
 
 
-def test_api_key_echoed_by_the_engine_is_not_served(engine, sidecar) -> None:
+@pytest.mark.unit
+def test_api_key_echoed_by_the_engine_is_not_served() -> None:
     key, needle = distinctive_key()
-    fake = engine("vllm")
-    fake.fault(generation_status=401, generation_error=f"invalid api key {key}")
-    side = sidecar(CANARY_ON | {"SIDECAR_ENGINE_URL": fake.url, "SIDECAR_ENGINE_API_KEY": key})
-    wait_until(lambda: side.health()[1]["checks"]["generate"]["last_canary"], 3, what="a canary")
-    assert needle not in side.get("/health").text
+    env = CANARY_ON | {"SIDECAR_ENGINE_URL": URL, "SIDECAR_ENGINE_API_KEY": key}
+
+    async def main() -> None:
+        engine = ProcessLink("vllm")
+        await engine.fault(generation_status=401, generation_error=f"invalid api key {key}")
+        async with running(env, {URL: engine}) as side:
+            await until(lambda: last_canary(side), 3, what="a canary")
+            assert key in str(await engine.requests())  # the engine got it, as the bearer token
+            assert needle not in (await side.get("/health")).text
+
+    run_virtually(main)
 
 
-def test_credentials_echoed_by_a_gateway_are_not_served(engine, sidecar) -> None:
+@pytest.mark.unit
+def test_credentials_echoed_by_a_gateway_are_not_served() -> None:
     """A gateway's error text quoting a URL with user:password or an Authorization header."""
-    fake = engine("vllm")
-    fake.fault(
-        generation_status=502,
-        generation_error="upstream http://svc:s3cr3t-pw@10.0.0.7/v1 said: "
-        "Authorization: Bearer tok-xyz",
-    )
-    side = sidecar(CANARY_ON | {"SIDECAR_ENGINE_URL": fake.url})
-    wait_until(lambda: side.health()[1]["checks"]["generate"]["last_canary"], 3, what="a canary")
-    body = side.get("/health").text
-    assert "upstream http://<hidden>@10.0.0.7" in body  # the reason is still there, redacted
-    for secret in ("s3cr3t-pw", "tok-xyz"):
-        assert secret not in body
-        assert secret not in side.get("/live").text
+    env = CANARY_ON | {"SIDECAR_ENGINE_URL": URL}
+
+    async def main() -> None:
+        engine = ProcessLink("vllm")
+        await engine.fault(
+            generation_status=502,
+            generation_error="upstream http://svc:s3cr3t-pw@10.0.0.7/v1 said: "
+            "Authorization: Bearer tok-xyz",
+        )
+        async with running(env, {URL: engine}) as side:
+            await until(lambda: last_canary(side), 3, what="a canary")
+            body = (await side.get("/health")).text
+            assert "upstream http://<hidden>@10.0.0.7" in body  # the reason is still there
+            for secret in ("s3cr3t-pw", "tok-xyz"):
+                assert secret not in body
+                assert secret not in (await side.get("/live")).text
+
+    run_virtually(main)
 
 
-def test_api_key_with_a_control_character_is_not_served(engine, sidecar) -> None:
+@pytest.mark.unit
+def test_api_key_with_a_control_character_is_not_served(monkeypatch, capsys, caplog) -> None:
+    """Refused at start (exit 2: the fix this test asks for), or never shown."""
     key, needle = distinctive_key()
-    fake = engine("vllm")
-    side = sidecar(
-        CANARY_ON | {"SIDECAR_ENGINE_URL": fake.url, "SIDECAR_ENGINE_API_KEY": key + "\n"},
-        wait=False,
-    )
-    try:
-        side.wait_serving()
-    except AssertionError:
-        return  # refused at start (exit 2): the fix this test asks for
-    wait_until(
-        lambda: side.health()[1]["checks"]["generate"]["registration"] != "not checked yet",
-        3,
-        what="a registration check",
-    )
-    assert needle not in side.get("/health").text
-    side.close()
-    assert needle not in side.proc.output()
+    env = CANARY_ON | {"SIDECAR_ENGINE_URL": URL, "SIDECAR_ENGINE_API_KEY": key + "\n"}
+    environment(monkeypatch, env)
+    refused = cli.main(["--check-config"]) == 2
+    assert needle not in capsys.readouterr().err
+    if refused:
+        return
+    caplog.set_level(logging.INFO)
+
+    async def main() -> None:
+        engine = ProcessLink("vllm")
+        async with running(env, {URL: engine}) as side:
+
+            async def registration_checked() -> bool:
+                check = (await side.health_body())[1]["checks"]["generate"]
+                return check["registration"] != "not checked yet"
+
+            await until(registration_checked, 3, what="a registration check")
+            assert needle not in (await side.get("/health")).text
+            assert needle not in "\n".join(side.log)
+
+    run_virtually(main)
+    assert needle not in caplog.text
 
 
 # --- nothing it serves changes its state ---------------------------------------------------------
@@ -376,7 +504,74 @@ def raw_exchange(port: int, data: bytes) -> bytes:
     return b"".join(chunks)
 
 
-def test_no_request_changes_the_state_or_reaches_the_engine(engine, sidecar) -> None:
+PATHS = ("/health", "/live", "/metrics", "/openapi.json", "/", "/health/", "/_debug")
+METHODS = ("GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "TRACE")
+QUERIES = ("", "?ready=0&status=notready", "?" + "x" * 4000)
+
+
+@pytest.mark.unit
+def test_no_request_changes_the_state_or_reaches_the_engine() -> None:
+    env = CANARY_ON | {"SIDECAR_ENGINE_URL": URL, "DYN_CANARY_WAIT_TIME": "3600"}
+
+    async def main() -> None:
+        engine = ProcessLink("vllm")
+        async with running(env, {URL: engine}) as side:
+            await side.wait_status(200, 5)
+
+            async def state() -> tuple[Any, ...]:
+                return (
+                    stable((await side.health_body())[1]),
+                    stable((await side.get("/live")).json()),
+                    state_metrics(await side.metrics()),
+                )
+
+            def canaries_sent() -> int:
+                return sum(s.path == "/v1/completions" for s in engine.sent)
+
+            before = await state()
+            sent_before = canaries_sent()
+            for path in PATHS:
+                for method in METHODS:
+                    for query in QUERIES:
+                        answer = await side.http.request(
+                            method, f"{path}{query}", content=b'{"a": 1}'
+                        )
+                        assert answer.status_code < 500, (method, path, answer.status_code)
+            answer = await side.http.post("/health", content=b"\x00" * 2_000_000)
+            assert answer.status_code < 500
+            answer = await side.http.request(
+                "GET", "/health", headers={"content-type": "json"}, content=b"{"
+            )
+            assert answer.status_code < 500
+            assert await state() == before
+            assert canaries_sent() == sent_before  # probes never trigger a canary
+
+    run_virtually(main)
+
+
+@pytest.mark.unit
+def test_every_route_answers_head() -> None:
+    """HEAD answers as GET does, without a body (its removal is the HTTP server's: the process
+    test below)."""
+
+    async def main() -> None:
+        engine = ProcessLink("vllm")
+        async with running({"SIDECAR_ENGINE_URL": URL}, {URL: engine}) as side:
+            await side.wait_status(200, 5)
+            for path in ("/health", "/live", "/metrics"):
+                head = await side.http.head(path)
+                get = await side.get(path)
+                assert head.status_code == 200, (path, head.status_code)
+                assert head.headers["content-type"] == get.headers["content-type"], path
+
+    run_virtually(main)
+
+
+@pytest.mark.process
+def test_what_is_not_a_request_the_app_sees_changes_nothing(engine, sidecar) -> None:
+    """Bytes the HTTP server never hands to the app (not HTTP, a negative Content-Length, HTTP/9.9,
+    a TLS ClientHello, a 70 kB request line) and a 2 MB body it must read past: no 5xx, no crash,
+    the verdict unchanged, no canary; and HEAD answered without a body."""
     fake = engine("vllm")
     env = CANARY_ON | {"SIDECAR_ENGINE_URL": fake.url, "DYN_CANARY_WAIT_TIME": "3600"}
     side = sidecar(env)
@@ -388,14 +583,7 @@ def test_no_request_changes_the_state_or_reaches_the_engine(engine, sidecar) -> 
     )
     sent_before = len(canaries_at(fake))
 
-    url = side.url
-    for path in ("/health", "/live", "/metrics", "/openapi.json", "/", "/health/", "/_debug"):
-        for method in ("GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "TRACE"):
-            for query in ("", "?ready=0&status=notready", "?" + "x" * 4000):
-                answer = side.http.request(method, f"{url}{path}{query}", content=b'{"a": 1}')
-                assert answer.status_code < 500, (method, path, answer.status_code)
-    side.http.post(f"{url}/health", content=b"\x00" * 2_000_000)  # a large body, unread
-    side.http.request("GET", f"{url}/health", headers={"content-type": "json"}, content=b"{")
+    assert side.http.post(f"{side.url}/health", content=b"\x00" * 2_000_000).status_code < 500
     for garbage in (
         b"GARBAGE\r\n\r\n",
         b"GET /health HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n",
@@ -405,6 +593,10 @@ def test_no_request_changes_the_state_or_reaches_the_engine(engine, sidecar) -> 
     ):
         reply = raw_exchange(side.port, garbage)
         assert not reply.startswith(b"HTTP/1.1 5"), (garbage[:30], reply[:80])
+    for path in ("/health", "/live", "/metrics"):
+        answer = side.http.head(f"{side.url}{path}")
+        assert answer.status_code == 200, (path, answer.status_code)
+        assert answer.content == b""
 
     assert side.proc.popen.poll() is None, side.proc.output()[-2000:]
     after = (
@@ -414,13 +606,3 @@ def test_no_request_changes_the_state_or_reaches_the_engine(engine, sidecar) -> 
     )
     assert after == before
     assert len(canaries_at(fake)) == sent_before  # probes never trigger a canary
-
-
-def test_every_route_answers_head(engine, sidecar) -> None:
-    fake = engine("vllm")
-    side = sidecar(QUIET_DRAIN | {"SIDECAR_ENGINE_URL": fake.url})
-    side.wait_status(200, 5)
-    for path in ("/health", "/live", "/metrics"):
-        answer = side.http.head(f"{side.url}{path}")
-        assert answer.status_code == 200, (path, answer.status_code)
-        assert answer.content == b""

@@ -17,6 +17,15 @@ The redirect mode points at a second listener on another loopback port, which an
 *valid* completion and counts its connections: a client that followed the redirect would pass.
 Every connection is held at most ``MAX_HOLD`` seconds, so the process never waits forever on a
 client that went away without closing. Nothing here binds anything but the given loopback host.
+
+The same engine also serves in-process (:class:`InProcessMisbehaving`), over an in-memory network
+in place of TCP: its modes write the same bytes through asyncio's ``StreamWriter``, and the
+client's side is an httpcore network stream under httpx's own transport, so that what the
+sidecar's engine client parses is what a socket would carry, with httpx's own HTTP/1.1 parser
+and its own exceptions. What the kernel does with a connection is modelled (a FIN after the
+bytes sent, a RST once SO_LINGER 0 is set, a peer's writes failing once its client has gone,
+buffers that fill and make the writer wait); the kernel itself, its sockets and their states
+are only there when it runs as a process.
 """
 
 from __future__ import annotations
@@ -30,7 +39,6 @@ import signal
 import socket
 import struct
 import sys
-import tempfile
 import time
 from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Sequence
@@ -38,9 +46,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpcore
 import httpx
 
-from tests.support.harness import Proc, base_env, wait_until
+from tests.support.processes import Process, read_port_file
 
 LOOPBACK = "127.0.0.1"
 MODEL = "misbehaving-model"
@@ -396,35 +405,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     return asyncio.run(run(parser.parse_args(argv)))
 
 
-class MisbehavingEngine:
-    """The test side: start ``python -m tests.support.misbehaving`` as a real process, switch its
-    mode,
-    read its stats. Ended by its process group in :meth:`close`."""
+class MisbehavingEngine(Process):
+    """The test side: ``python -m tests.support.misbehaving`` started as a real process (at
+    once), its mode switched, its stats read. Ended by its process group in :meth:`close`."""
+
+    start_timeout = 10.0
+    ready_interval = 0.02
 
     def __init__(self, mode: str = "ok") -> None:
-        port_file = Path(tempfile.mkdtemp(prefix="misbehaving-")) / "port"
-        argv = [
-            sys.executable,
-            "-m",
-            "tests.support.misbehaving",
-            "--host",
-            LOOPBACK,
-            "--port",
-            "0",
-        ]
-        argv += ["--port-file", str(port_file), "--mode", mode]
-        self.proc = Proc(argv, base_env(), f"misbehaving-{mode}")
-        self.http = httpx.Client(timeout=2.0, trust_env=False)
+        super().__init__()
+        self.name = f"misbehaving-{mode}"
+        self.initial_mode = mode
         try:
-            wait_until(port_file.exists, 10, what="the misbehaving engine to bind")
+            self.start()
         except AssertionError:
             self.close()
             raise
-        self.port = int(port_file.read_text())
 
     @property
-    def url(self) -> str:
-        return f"http://{LOOPBACK}:{self.port}"
+    def port_file(self) -> Path:
+        return self.workdir / "port"
+
+    def argv(self) -> list[str]:
+        argv = [sys.executable, "-m", "tests.support.misbehaving", "--host", LOOPBACK]
+        argv += ["--port", str(self.port), "--port-file", str(self.port_file)]
+        return [*argv, "--mode", self.initial_mode]
+
+    def ready(self) -> bool:
+        return read_port_file(self.port_file) == self.port
 
     def set_mode(self, mode: str) -> None:
         answer = self.http.post(f"{self.url}/mode/{mode}")
@@ -436,9 +444,277 @@ class MisbehavingEngine:
     def requests(self) -> list[dict[str, Any]]:
         return self.http.get(f"{self.url}/requests").json()
 
+
+# --- in-process: the same engine over an in-memory network ---------------------------------------
+#: What the peer may hold unread before the engine's writes wait (a socket's send and receive
+#: buffers); a writer waiting resumes once the reader has taken all but LOW_WATER of it.
+HIGH_WATER = 256 * 1024
+LOW_WATER = 64 * 1024
+PORT = 8000  # the in-memory network's engine port (its redirect target: PORT + 1)
+
+
+class _Linger:
+    """What ``transport.get_extra_info("socket")`` gives a mode: SO_LINGER is all it sets."""
+
+    def __init__(self, transport: _EngineSide) -> None:
+        self._transport = transport
+
+    def setsockopt(self, level: int, option: int, value: bytes) -> None:
+        if (level, option) == (socket.SOL_SOCKET, socket.SO_LINGER):
+            on, seconds = struct.unpack("ii", value)
+            self._transport.linger_zero = bool(on) and seconds == 0
+
+
+class _EngineSide(asyncio.Transport):
+    """The engine's end of an in-memory connection, as asyncio's socket transport behaves: a
+    write goes to the client's buffer, ``close`` sends FIN after it, ``abort`` closes at once
+    (FIN, or RST with SO_LINGER 0, as the kernel does)."""
+
+    def __init__(self, connection: Connection) -> None:
+        super().__init__()
+        self._connection = connection
+        self.linger_zero = False
+        self.closing = False
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        if name == "socket":
+            return _Linger(self)
+        if name == "peername":
+            return (LOOPBACK, 50000)
+        return default
+
+    def is_closing(self) -> bool:
+        return self.closing
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self._connection.engine_wrote(bytes(data))
+
+    def can_write_eof(self) -> bool:
+        return False
+
     def close(self) -> None:
-        self.http.close()
-        self.proc.stop()
+        if not self.closing:
+            self._connection.engine_closed(reset=False)
+
+    def abort(self) -> None:
+        if not self.closing:
+            self._connection.engine_closed(reset=self.linger_zero)
+
+    def get_write_buffer_size(self) -> int:
+        return len(self._connection.to_client)
+
+    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
+        pass
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+    def is_reading(self) -> bool:
+        return not self.closing
+
+
+class Connection:
+    """One TCP connection in memory between the sidecar's engine client and the engine."""
+
+    def __init__(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.loop = loop
+        self.to_client = bytearray()
+        self.readable = asyncio.Event()  # something for the client: bytes, a FIN, a RST
+        self.fin = False  # the engine closed after what it sent
+        self.reset = False  # RST: what was unread is gone, every read and write fails
+        self.client_gone = False
+        self.delivered = 0  # bytes the engine's writes handed to the client's side
+        self._paused = False
+        self._lost = False
+        self.reader = asyncio.StreamReader(limit=MAX_HEAD, loop=loop)
+        self.protocol = asyncio.StreamReaderProtocol(self.reader, loop=loop)
+        self.transport = _EngineSide(self)
+        self.protocol.connection_made(self.transport)
+        self.writer = asyncio.StreamWriter(self.transport, self.protocol, self.reader, loop)
+
+    # --- the engine's end -------------------------------------------------------------------
+    def engine_wrote(self, data: bytes) -> None:
+        if self.transport.closing or not data:
+            return
+        if self.client_gone or self.reset:  # the client's kernel answers with RST: EPIPE
+            self._lose(ConnectionResetError(104, "Connection reset by peer"))
+            return
+        self.to_client += data
+        self.delivered += len(data)
+        self.readable.set()
+        if not self._paused and len(self.to_client) > HIGH_WATER:
+            self._paused = True
+            self.protocol.pause_writing()
+
+    def engine_closed(self, *, reset: bool) -> None:
+        if reset:
+            self.to_client.clear()
+            self.reset = True
+        else:
+            self.fin = True
+        self.readable.set()
+        self._lose(None)
+
+    def _lose(self, exc: Exception | None) -> None:
+        self.transport.closing = True
+        if not self._lost:
+            self._lost = True
+            self.loop.call_soon(self.protocol.connection_lost, exc)
+
+    # --- the client's end -------------------------------------------------------------------
+    def client_read(self, max_bytes: int) -> bytes | None:
+        """Bytes for the client; b"" at the engine's FIN; None when there is nothing yet."""
+        if self.reset:  # anyio's BrokenResourceError, as httpcore maps it: no message
+            raise httpcore.ReadError("")
+        if self.to_client:
+            data = bytes(self.to_client[:max_bytes])
+            del self.to_client[:max_bytes]
+            if self._paused and len(self.to_client) <= LOW_WATER:
+                self._paused = False
+                self.protocol.resume_writing()
+            return data
+        if self.fin:
+            return b""
+        self.readable.clear()
+        return None
+
+    def client_wrote(self, data: bytes) -> None:
+        if self.reset:
+            raise httpcore.WriteError("")
+        if not self.transport.closing and data:
+            self.protocol.data_received(data)
+
+    def client_closed(self) -> None:
+        if self.client_gone:
+            return
+        self.client_gone = True
+        if self._lost:
+            return
+        if self.to_client:  # closed with bytes unread: the kernel sends RST, not FIN
+            self.to_client.clear()
+            self._lose(ConnectionResetError(104, "Connection reset by peer"))
+        else:
+            self.protocol.eof_received()
+
+
+class _ClientSide(httpcore.AsyncNetworkStream):
+    """The client's end, as httpcore's socket stream behaves (per-call timeouts are left to the
+    caller's own deadline: on a virtual clock they would tie with it, where a real clock has the
+    whole-answer deadline first)."""
+
+    def __init__(self, connection: Connection) -> None:
+        self._connection = connection
+
+    async def read(self, max_bytes: int, timeout: float | None = None) -> bytes:  # noqa: ASYNC109
+        while True:
+            data = self._connection.client_read(max_bytes)
+            if data is not None:
+                return data
+            await self._connection.readable.wait()
+
+    async def write(self, buffer: bytes, timeout: float | None = None) -> None:  # noqa: ASYNC109
+        self._connection.client_wrote(bytes(buffer))
+
+    async def aclose(self) -> None:
+        self._connection.client_closed()
+
+    def get_extra_info(self, info: str) -> Any:
+        if info == "is_readable":
+            connection = self._connection
+            return bool(connection.to_client) or connection.fin or connection.reset
+        return None
+
+
+class MemoryNetwork(httpcore.AsyncNetworkBackend):
+    """Loopback in memory: the engine's port and its redirect target's; any other refused."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.tasks: set[asyncio.Task[None]] = set()  # the engine's connections being served
+        self.connections: list[Connection] = []
+
+    async def connect_tcp(
+        self,
+        host: str,
+        port: int,
+        timeout: float | None = None,  # noqa: ASYNC109 - httpcore's interface
+        local_address: str | None = None,
+        socket_options: Any = None,
+    ) -> httpcore.AsyncNetworkStream:
+        served = {
+            PORT: self.engine.serve_connection,
+            self.engine.stats.redirect_port: self.engine.serve_redirect_target,
+        }
+        handler = served.get(port) if host == LOOPBACK else None
+        if handler is None:
+            raise httpcore.ConnectError("[Errno 111] Connection refused")
+        connection = Connection()
+        self.connections.append(connection)
+        task = asyncio.create_task(handler(connection.reader, connection.writer))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+        return _ClientSide(connection)
+
+    async def connect_unix_socket(
+        self,
+        path: str,
+        timeout: float | None = None,  # noqa: ASYNC109 - httpcore's interface
+        socket_options: Any = None,
+    ) -> httpcore.AsyncNetworkStream:
+        raise httpcore.ConnectError("no unix sockets here")
+
+    async def sleep(self, seconds: float) -> None:
+        await asyncio.sleep(seconds)
+
+    async def aclose(self) -> None:
+        for task in list(self.tasks):
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+
+
+class InProcessMisbehaving(httpx.AsyncBaseTransport):
+    """The misbehaving engine in-process (create it inside the running loop), reached at
+    :attr:`url` through this transport: httpx's own HTTP transport over a
+    :class:`MemoryNetwork` (the connection pool sized as the sidecar's engine client sizes it).
+    Its mode switched and its stats read as the process's control routes do."""
+
+    url = f"http://{LOOPBACK}:{PORT}"
+
+    def __init__(self, mode: str = "ok") -> None:
+        assert mode in MODES, mode
+        self.engine = Engine(mode, LOOPBACK)
+        self.engine.stats.redirect_port = PORT + 1
+        self.network = MemoryNetwork(self.engine)
+        self._http = httpx.AsyncHTTPTransport(trust_env=False)
+        # httpx builds its pool on the system's sockets; this one is the same pool on memory.
+        assert isinstance(self._http._pool, httpcore.AsyncConnectionPool)
+        self._http._pool = httpcore.AsyncConnectionPool(
+            network_backend=self.network, max_connections=6, max_keepalive_connections=3
+        )
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        return await self._http.handle_async_request(request)
+
+    def set_mode(self, mode: str) -> None:
+        assert mode in MODES, mode
+        self.engine.stats.mode = mode
+
+    def stats(self) -> dict[str, Any]:
+        return self.engine.stats.as_json()
+
+    def requests(self) -> list[dict[str, Any]]:
+        return list(self.engine.stats.requests)
+
+    def thaw(self) -> None:
+        """Never frozen (``tests.support.inprocess.running`` thaws every engine it ends)."""
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+        await self.network.aclose()
 
 
 if __name__ == "__main__":
