@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 from fastapi import FastAPI
 
 from sidecar.config import Settings
+from sidecar.core.observations import Observation
 from sidecar.core.snapshot import first_snapshot
 from sidecar.probes import CanaryPlan, Transport, plan_canary, plan_transfer_probe
 from sidecar.probes.dynamo.canary import DynamoCanary
@@ -137,10 +138,11 @@ async def monitor_main(
     plans: Mapping[str, CanaryPlan],
     private_dir: str | None = None,
     connect: Connect | None = None,
+    started: Callable[[Monitor], None] | None = None,
 ) -> None:
     """Build the monitor's I/O parts on its own loop, run it until cancelled, then close them
     (each pushed on the stack as it is made: closed in the reverse order, the probes before the
-    clients they send through)."""
+    clients they send through). ``started`` is told the monitor before it runs."""
     plan = plans[next(iter(plans))]
     clients = _Clients(settings, health.clock, connect)
     async with contextlib.AsyncExitStack() as stack:
@@ -156,6 +158,8 @@ async def monitor_main(
             settings.timing(plan.enabled),
             Routes(registration_path(settings, plan), settings.metrics_path),
         )
+        if started is not None:
+            started(monitor)
         await monitor.run()
 
 
@@ -287,16 +291,26 @@ def surface_for(settings: Settings, health: Health) -> Surface:
     return Surface(create_app(about, health, metrics, history), metrics, history)
 
 
-def build(settings: Settings, private_dir: str | None = None) -> Sidecar:
-    """Every part, wired: the surface subscribed to Health, the lifecycle that runs it all."""
+def build(
+    settings: Settings, private_dir: str | None = None, connect: Connect | None = None
+) -> Sidecar:
+    """Every part, wired: the surface subscribed to Health, the lifecycle that runs it all.
+    ``connect``: how the engine clients reach a URL (None: over the network)."""
     plans = plans_for(settings)
     health = health_for(settings, plans)
     surface = surface_for(settings, health)
 
-    async def main() -> None:
-        await monitor_main(settings, health, plans, private_dir)
+    running: list[Monitor] = []
 
-    runner = LoopThread(main, health.observe)
+    async def main() -> None:
+        await monitor_main(settings, health, plans, private_dir, connect, running.append)
+
+    def observe(obs: Observation) -> None:
+        """What is handed in from outside (SIGTERM's drain, a declared window) goes to the monitor,
+        which wakes: what is due may have changed. Before it runs, straight to the step."""
+        (running[0].observe if running else health.observe)(obs)
+
+    runner = LoopThread(main, observe)
     surface.metrics.loops.append(runner.loop)
     host, port = settings.system_host, settings.system_port
     http = HttpServer(surface.app, host, port, grace=5)

@@ -371,3 +371,60 @@ def test_a_server_without_fault_tolerance_is_asked_once(monkeypatch):
         assert engine.calls["registration"] >= 20
 
     run_virtually(s, script)
+
+
+def test_what_is_handed_in_from_outside_wakes_the_monitor_as_wired():
+    """The sidecar as sidecar.wiring builds it: a window declared from outside (the control route,
+    on another thread) goes to the monitor, which wakes; when it ends, the canary that proves the
+    engine leaves at once, not at the next heartbeat."""
+    import httpx
+
+    from sidecar.core.observations import MaintenanceOver
+    from sidecar.wiring import build
+    from tests.support.inprocess import EngineLink, run_virtually, settings_of
+
+    url = "http://engine:8000"
+    settings = settings_of(
+        {"DYN_HEALTH_CHECK_ENABLED": "true", "SIDECAR_ENGINE_URL": url, "SIDECAR_MODEL": "tiny"}
+    )
+
+    def canaries(engine: EngineLink) -> int:
+        return sum(r["path"] == "/v1/completions" for r in engine.state.requests)
+
+    async def main() -> float:
+        loop = asyncio.get_running_loop()
+        engine = EngineLink("vllm")
+        side = build(settings, connect=lambda _: engine)
+        app = side.servers.http.config.app  # type: ignore[attr-defined]
+        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://side")
+        monitor = asyncio.create_task(side.monitor.main())  # the LoopThread's coroutine, here
+        try:
+
+            async def ready() -> bool:
+                return (await http.get("/health")).status_code == 200
+
+            await until_async(ready, 5)
+            side.monitor.observe(MaintenanceDeclared("weights", 600.0, 1e9))
+            await asyncio.sleep(3)
+            sent = canaries(engine)
+            side.monitor.observe(MaintenanceOver("done"))
+            ended = loop.time()
+            await until(lambda: canaries(engine) > sent, 1, step=0.001)
+            return loop.time() - ended
+        finally:
+            monitor.cancel()
+            await asyncio.gather(monitor, return_exceptions=True)
+            await http.aclose()
+            await engine.aclose()
+
+    assert run_virtually(main) < 0.01
+
+
+async def until_async(what: Callable[[], Awaitable[bool]], limit: float) -> float:
+    """Virtual seconds until ``await what()`` holds (fails past ``limit``)."""
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    while not await what():
+        assert loop.time() - start < limit, f"not within {limit} virtual s"
+        await asyncio.sleep(0.01)
+    return loop.time() - start

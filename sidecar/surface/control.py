@@ -69,7 +69,8 @@ def create_control_app(control: ControlConfig, health: HealthView, submit: Submi
     )
     token = control.token
 
-    def authorized(request: Request) -> None:
+    async def authorized(request: Request) -> None:
+        """On the event loop, not in FastAPI's thread pool: it only compares two strings."""
         if token is None:
             return
         given = request.headers.get("authorization", "")
