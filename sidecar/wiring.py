@@ -39,7 +39,7 @@ from sidecar.probes.http import HttpCanary
 from sidecar.probes.kinds import Probe, ProbeKind
 from sidecar.probes.transfer import TransferProbe
 from sidecar.probes.units import unit_specs
-from sidecar.runtime.engine import EngineClient
+from sidecar.runtime.engine import CHECK_CONNECTIONS, EngineClient
 from sidecar.runtime.health import Health
 from sidecar.runtime.monitor import EngineParts, Monitor, Routes
 from sidecar.runtime.server import HttpServer, LoopThread, Servers, Sidecar, StartupError
@@ -150,7 +150,7 @@ async def monitor_main(
         worker = None
         if settings.transport is Transport.DYNAMO:
             worker = await _dynamo_worker(settings, engine, plan, stack, health.clock, private_dir)
-        probes = _probes(settings, clients, stack, engine, worker, health.clock)
+        probes = _probes(settings, clients, stack, worker, health.clock)
         monitor = Monitor(
             health,
             EngineParts(engine, probes, worker, _grpc_registration(settings, stack, health.clock)),
@@ -173,7 +173,13 @@ class _Clients:
         key = settings.engine_api_key
         self.key = key.get_secret_value() if key else None
 
-    def make(self, stack: contextlib.AsyncExitStack, url: str, timeout: float) -> EngineClient:
+    def make(
+        self,
+        stack: contextlib.AsyncExitStack,
+        url: str,
+        timeout: float,
+        connections: int | None = CHECK_CONNECTIONS,
+    ) -> EngineClient:
         client = EngineClient(
             url,
             timeout=timeout,
@@ -181,6 +187,7 @@ class _Clients:
             api_key=self.key,
             clock=self.clock,
             transport=self.connect(url) if self.connect is not None else None,
+            connections=connections,
         )
         stack.push_async_callback(client.aclose)
         return client
@@ -190,14 +197,16 @@ def _probes(
     settings: Settings,
     clients: _Clients,
     stack: contextlib.AsyncExitStack,
-    engine: EngineClient,
     worker: DynamoWorker | None,
     clock: Callable[[], float],
 ) -> dict[ProbeKind, Probe]:
     """One probe per kind the configuration uses (sidecar.probes.kinds)."""
     timeout = settings.request_timeout
+    # The canaries' own client, apart from the one that reads the engine's routes: hung canaries
+    # (one per unit, however many ranks) never make a registration check or a read wait.
+    canaries = clients.make(stack, settings.engine_url, timeout, connections=None)
     probes: dict[ProbeKind, Probe] = {
-        ProbeKind.HTTP: HttpCanary(engine, timeout=timeout, clock=clock)
+        ProbeKind.HTTP: HttpCanary(canaries, timeout=timeout, clock=clock)
     }
     if worker is not None:
         probes[ProbeKind.DYNAMO] = DynamoCanary(worker, timeout=timeout)

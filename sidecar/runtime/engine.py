@@ -26,6 +26,11 @@ from sidecar.redact import redact
 __all__ = ["Answer", "EngineClient", "NoAnswer", "error_text"]
 
 USER_AGENT = f"health-sidecar/{__version__}"
+# The engine's own routes are read one or two at a time (the registration check and what it
+# brings, the metrics read): a small pool never makes one wait. Canaries go through a client of
+# their own, whose pool has no limit: one canary per unit, however many units.
+CHECK_CONNECTIONS = 6
+KEEPALIVE_CONNECTIONS = 3
 
 
 class BodyTooLarge(Exception):
@@ -82,9 +87,11 @@ class EngineClient:
         api_key: str | None = None,
         clock: Callable[[], float] = time.monotonic,
         transport: httpx.AsyncBaseTransport | None = None,
+        connections: int | None = CHECK_CONNECTIONS,
     ) -> None:
         """``transport``: httpx's own (None), or an in-process one for tests (an ASGI app's, a
-        mock's)."""
+        mock's). ``connections``: the most open at once (None: no limit, for canaries, at most
+        one per unit, whose client must never make one wait for another)."""
         # Identity encoding: the sidecar reads bodies with a byte bound, and a compressed body
         # would need decompressing anyway (see _decode for engines that compress regardless).
         headers = {"User-Agent": USER_AGENT, "Accept-Encoding": "identity"}
@@ -103,7 +110,12 @@ class EngineClient:
             # Only SIDECAR_ENGINE_URL is ever requested: for http:// no TLS happens, so skip
             # building the default SSL context (the CA bundle costs about 3 MiB).
             verify=not base_url.startswith("http://"),
-            limits=httpx.Limits(max_connections=6, max_keepalive_connections=3),
+            # No request ever waits for a connection: a request cancelled by its deadline while
+            # it waits leaves the connection it was being given stuck in httpcore's pool
+            # (encode/httpcore#1093), and once every one is stuck nothing reaches the engine.
+            limits=httpx.Limits(
+                max_connections=connections, max_keepalive_connections=KEEPALIVE_CONNECTIONS
+            ),
             transport=transport,
         )
 
