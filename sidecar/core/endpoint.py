@@ -190,11 +190,11 @@ def apply_canary(
     if (
         baseline is None
         and latest is not None
-        and latest.at >= result.started - policy.metrics_interval
+        and result.started - policy.metrics_interval <= latest.at <= result.started
     ):
-        # A saturated engine's metrics route may answer later than the canary's timeout: the
-        # progress loop's last read stands in, recent enough that progress it shows cannot
-        # predate the canary by more than one interval.
+        # No read was taken as it left: the progress loop's last read before it stands in,
+        # recent enough that progress it shows cannot predate the canary by more than one
+        # interval (a read after it left would hide what moved meanwhile).
         baseline = latest
     evidence = TimeoutEvidence(
         foreign_progress(baseline, end, cost or CanaryCost()),

@@ -459,6 +459,10 @@ class Monitor:
             request.request_id,
             " to confirm a stall suspicion" if confirming else "",
         )
+        # Its baseline: the engine-level read before it left, within one interval of it.
+        latest = ep.progress.latest if ep.progress.readable else None
+        fresh = latest is not None and latest.at >= self.health.clock() - policy.metrics_interval
+        baseline = latest if fresh else None
         self._sent[unit] = self._sent.get(unit, 0) + 1
         self._done.setdefault(unit, 0)
         result = await probe(plan, request, model)
@@ -469,12 +473,12 @@ class Monitor:
             spec = plan.progress_spec(self.routes.metrics)
             end = await self._end_read(unit, spec, result)
         self._done[unit] += 1
-        # Its baseline is the engine-level read before it left (the progress source's latest).
         self.observe(
             CanaryDone(
                 unit,
                 result,
                 ep.incarnation,
+                baseline=baseline,
                 end=end,
                 cost=plan.cost(request),
                 suspected=confirming,

@@ -80,7 +80,7 @@ class EngineLink(httpx.AsyncBaseTransport):
     engine loads for that long (virtual) after each start."""
 
     def __init__(
-        self, backend: str, mode: str = "aggregated", *, served: bool = False, **config: Any
+        self, backend: str, mode: str = "aggregated", *, served: bool = True, **config: Any
     ) -> None:
         self.config = EngineConfig(
             backend=backend,  # type: ignore[arg-type]
