@@ -5,9 +5,10 @@ interval runs on aiotools' ``VirtualClock``, so a timing rule is an exact statem
 schedule, whatever the machine's load.
 
 What a process can suffer, the link between them models: frozen (SIGSTOP: every request waits
-until thawed), killed (every connection refused), restarted (a fresh engine state). With
-``served=True`` the link also serves as an HTTP server does: a request whose client leaves (a
-timed-out canary) is not cancelled but hears ``http.disconnect`` and runs on as the engine decides
+until thawed), killed (every connection refused), restarted (a fresh engine state). It serves as
+an HTTP server does (``served``, the default; ``served=False`` cancels the handler instead): a
+request whose client leaves (a timed-out canary) is not cancelled but hears ``http.disconnect``
+and runs on as the engine decides
 (vLLM aborts it, TensorRT-LLM computes it anyway: each fake backend's ``notice_delay``), and a
 kill fails the requests in flight. ``load_seconds`` loads on the virtual clock (vLLM and
 TensorRT-LLM refuse connections meanwhile, the others answer 503 "Loading model"). In the engine's
@@ -17,12 +18,13 @@ client's request in the engine while a test watches (``send``: one as a task).
 What the sidecar shows: ``wait_status`` and ``statuses`` (every status a route answered over a
 span), ``health_body``, ``metrics``, and ``log``, the lines its log would say.
 
-    async def scenario(side: InProcessSidecar) -> None:
-        await side.wait_status(200, within=5)
-        await side.engines[URL].fault(hang_generation=True)
-        took = await side.wait_status(503, within=3)
+    async def main() -> float:
+        async with running(env, {URL: EngineLink("vllm")}) as side:
+            await side.wait_status(200, within=5)
+            await side.engines[URL].fault(hang_generation=True)
+            return await side.wait_status(503, within=3)
 
-    run_virtually(lambda: running(env, {URL: EngineLink("vllm")}), scenario)
+    took = run_virtually(main)
 """
 
 from __future__ import annotations
