@@ -11,7 +11,6 @@ listens on 0.0.0.0).
 from __future__ import annotations
 
 import json
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -21,8 +20,12 @@ import pytest
 
 from tests.support.dynamo_worker import sidecar_env
 from tests.support.engines import MockerWorker
-from tests.support.harness import Proc, Sidecar, base_env, wait_until
+from tests.support.harness import Sidecar, wait_until
+from tests.support.metadata_proxy import MetadataProxy
 from tests.support.netns import isolated  # noqa: F401 (a fixture)
+from tests.support.processes import Shared, handed_over, spends, started
+
+pytestmark = pytest.mark.engine
 
 WAIT, TIMEOUT = 1.0, 0.5  # conftest.FAST
 BOUND = WAIT + TIMEOUT + 2.0
@@ -36,23 +39,26 @@ def kv_dir(isolated) -> Iterator[Path]:  # noqa: F811
 
 
 @pytest.fixture(scope="module")
-def other(kv_dir) -> Iterator[MockerWorker]:
+def other_pool(kv_dir) -> Iterator[Shared[MockerWorker]]:
     """The second worker of the namespace, which the sidecar under test never canaries."""
-    worker = MockerWorker(kv_dir, "other")
-    try:
-        yield worker.start()
-    finally:
-        worker.close()
+    with Shared("the other mocker", lambda: started(MockerWorker(kv_dir, "other"))) as pool:
+        yield pool
+
+
+other = handed_over("other")
+
+
+@pytest.fixture(scope="module")
+def mine_pool(kv_dir) -> Iterator[Shared[MockerWorker]]:
+    with Shared("this pod's mocker", lambda: started(MockerWorker(kv_dir, "mine"))) as pool:
+        yield pool
 
 
 @pytest.fixture
-def mine(kv_dir, other) -> Iterator[MockerWorker]:
-    """This pod's worker: fresh for each test (some end it)."""
-    worker = MockerWorker(kv_dir, "mine")
-    try:
-        yield worker.start()
-    finally:
-        worker.close()
+def mine(mine_pool: Shared[MockerWorker], other, request: pytest.FixtureRequest) -> MockerWorker:
+    """This pod's worker: a test that ends it (kills it, orphans it, takes its record away)
+    spends it, and the next test gets a fresh one."""
+    return mine_pool.hand_over(request)
 
 
 def env(worker: MockerWorker, **extra: str) -> dict[str, str]:
@@ -116,6 +122,7 @@ def test_the_sidecar_canaries_its_own_worker_and_sees_its_freeze_alone(mine, oth
     print(f"DYNAMO worker {worker_body[:100]}")
 
 
+@spends("mine")
 def test_a_worker_frozen_past_its_lease_is_an_orphan_not_discoverable_and_not_live(mine, sidecar):
     side = sidecar(env(mine, SIDECAR_LIVENESS_WINDOW="3"))
     side.wait_status(200, 15)
@@ -143,6 +150,7 @@ def test_a_worker_frozen_past_its_lease_is_an_orphan_not_discoverable_and_not_li
     assert side.metrics().count('health_sidecar_endpoint_discoverable{endpoint="generate"} 0.0')
 
 
+@spends("mine")
 def test_a_killed_worker_is_notready(mine, sidecar):
     side = sidecar(env(mine))
     side.wait_status(200, 15)
@@ -157,17 +165,11 @@ def test_a_killed_worker_is_notready(mine, sidecar):
 @pytest.fixture
 def proxy(mine) -> Iterator[str]:
     """The worker's system server as Kubernetes discovery serves it (with /metadata)."""
-    port_file = Path(tempfile.mkdtemp(prefix="metadata-proxy-")) / "port"
-    argv = [sys.executable, "-m", "tests.support.metadata_proxy", "--upstream", mine.system_url]
-    argv += ["--kv-dir", str(mine.kv_dir), "--port-file", str(port_file)]
-    proc = Proc(argv, base_env(), "metadata-proxy")
-    try:
-        port = wait_until(lambda: port_file.exists() and int(port_file.read_text()), 10)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        proc.stop()
+    with started(MetadataProxy(mine.system_url, mine.kv_dir)) as proxy:
+        yield proxy.url
 
 
+@spends("mine")
 def test_under_kubernetes_discovery_the_canary_reaches_the_worker_by_its_own_record(
     mine, proxy, sidecar
 ):

@@ -10,11 +10,10 @@ runs in a private network namespace (Dynamo's event plane listens on 0.0.0.0).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -25,8 +24,9 @@ import pytest
 
 from tests.support.dynamo_worker import DynamoClient, FakeDynamoWorker, sidecar_env
 from tests.support.exposition import metric
-from tests.support.harness import ROOT, Sidecar, base_env, wait_until
+from tests.support.harness import Sidecar, wait_until
 from tests.support.netns import isolated  # noqa: F401 (a fixture)
+from tests.support.processes import Shared, handed_over
 
 BACKENDS = ("vllm", "sglang", "trtllm")
 MODES = ("aggregated", "prefill", "decode")
@@ -41,8 +41,11 @@ def kv_dir(isolated) -> Iterator[Path]:  # noqa: F811
         yield Path(path)
 
 
-@pytest.fixture(scope="module")
-def workers(kv_dir) -> Iterator[dict[tuple[str, str], FakeDynamoWorker]]:
+Workers = dict[tuple[str, str], FakeDynamoWorker]
+
+
+@contextlib.contextmanager
+def fake_workers(kv_dir: Path) -> Iterator[Workers]:
     """One fake worker per backend and role, all in one namespace each (as a deployment's)."""
     started = {
         (backend, mode): FakeDynamoWorker(backend, mode, kv_dir=kv_dir, namespace=backend)
@@ -61,6 +64,16 @@ def workers(kv_dir) -> Iterator[dict[tuple[str, str], FakeDynamoWorker]]:
 
 
 @pytest.fixture(scope="module")
+def workers_pool(kv_dir) -> Iterator[Shared[Workers]]:
+    """The module's workers, handed to each test running, unfrozen and served."""
+    with Shared("the fake Dynamo workers", lambda: fake_workers(kv_dir)) as pool:
+        yield pool
+
+
+workers = handed_over("workers")
+
+
+@pytest.fixture(scope="module")
 def client(kv_dir) -> Iterator[DynamoClient]:
     """A Dynamo runtime client of the test's own, to send what the sidecar never would."""
     dyn = DynamoClient(kv_dir)
@@ -73,8 +86,8 @@ def client(kv_dir) -> Iterator[DynamoClient]:
 @pytest.fixture(autouse=True)
 def no_faults(request) -> Iterator[None]:
     yield
-    if "workers" in request.fixturenames:
-        for worker in request.getfixturevalue("workers").values():
+    if "workers" in request.fixturenames:  # the shared workers, as this test leaves them
+        for worker in request.getfixturevalue("workers_pool").current.values():
             if worker.proc is not None and worker.proc.popen.poll() is None:
                 worker.fault()
 
@@ -123,6 +136,7 @@ def check(side: Sidecar) -> dict[str, Any]:
 
 
 # --- the role matrix ------------------------------------------------------------------------------
+@pytest.mark.engine
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("mode", MODES)
 def test_role_matrix_over_the_request_plane(workers, sidecar, backend, mode):
@@ -158,6 +172,7 @@ def test_role_matrix_over_the_request_plane(workers, sidecar, backend, mode):
 
 
 # --- DIS-1737 over the real request plane ---------------------------------------------------------
+@pytest.mark.engine
 def test_a_plain_payload_to_trtllm_decode_is_rejected_and_the_sidecars_is_not(
     workers, client, sidecar
 ):
@@ -171,6 +186,7 @@ def test_a_plain_payload_to_trtllm_decode_is_rejected_and_the_sidecars_is_not(
     assert canaries(worker)[-1]["outcome"] == "completed"
 
 
+@pytest.mark.engine
 def test_a_rejected_canary_is_notready_with_the_workers_words_and_never_a_restart(workers, sidecar):
     """A sidecar misconfigured as vLLM beside a TensorRT-LLM decode worker sends a payload
     without disaggregated_params: the worker refuses it from the start. Notready, with the
@@ -187,6 +203,7 @@ def test_a_rejected_canary_is_notready_with_the_workers_words_and_never_a_restar
     assert check(side)["hard_failure_since"] is None
 
 
+@pytest.mark.engine
 def test_sglang_decode_without_bootstrap_info_is_rejected(workers, client):
     worker = workers[("sglang", "decode")]
     answer = client.call(worker.endpoint_path, {"token_ids": [1]}, instance_id=worker.instance_id)
@@ -194,6 +211,7 @@ def test_sglang_decode_without_bootstrap_info_is_rejected(workers, client):
 
 
 # --- the deadline covers the whole stream; do no harm ---------------------------------------------
+@pytest.mark.engine
 def test_a_stall_after_the_first_token_is_notready(workers, sidecar):
     """Dynamo's own canary judges the first chunk only and never sees this."""
     worker = workers[("vllm", "aggregated")]
@@ -204,6 +222,7 @@ def test_a_stall_after_the_first_token_is_notready(workers, sidecar):
     assert "(1 chunk(s) arrived); stopped on the worker" in check(side)["reason"]
 
 
+@pytest.mark.engine
 def test_timed_out_canaries_are_stopped_on_the_worker_and_never_pile_up(workers, sidecar):
     worker = workers[("sglang", "aggregated")]
     side = sidecar(dynamo_sidecar_env(worker, SIDECAR_CANARY_RETRY_INTERVAL="0.2"))
@@ -227,6 +246,7 @@ def test_timed_out_canaries_are_stopped_on_the_worker_and_never_pile_up(workers,
         assert record["ended"] - record["started"] < TIMEOUT + 0.3
 
 
+@pytest.mark.engine
 def test_no_task_thread_or_socket_leaks_after_1000_canaries_and_100_timeouts(workers, sidecar):
     worker = workers[("vllm", "decode")]
     side = sidecar(
@@ -295,32 +315,7 @@ def test_no_task_thread_or_socket_leaks_after_1000_canaries_and_100_timeouts(wor
 
 
 # --- configuration at start -----------------------------------------------------------------------
-def test_the_transport_without_the_extra_fails_with_one_line(tmp_path):
-    """A Python without ai-dynamo-runtime (here: a `dynamo` package that shadows it)."""
-    shadow = tmp_path / "dynamo"
-    shadow.mkdir()
-    (shadow / "__init__.py").write_text("")
-    env = base_env() | {
-        "PYTHONPATH": str(tmp_path),
-        "SIDECAR_TRANSPORT": "dynamo",
-        "DYN_DISCOVERY_BACKEND": "file",
-        "DYN_FILE_KV": str(tmp_path),
-    }
-    done = subprocess.run(
-        [sys.executable, "-m", "sidecar", "--check-config"],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
-    assert done.returncode == 2
-    lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1, done.stderr
-    assert lines[0].startswith("health-sidecar: configuration error: SIDECAR_TRANSPORT=dynamo:")
-    assert "pip install 'health-sidecar[dynamo]'" in lines[0]
-
-
+@pytest.mark.engine
 def test_the_runtime_never_sees_the_sidecars_own_variables(workers, sidecar):
     """The sidecar's fractional canary wait (refused by the runtime's parser) and its own system
     port (a runtime would start a second server there) stay the sidecar's."""

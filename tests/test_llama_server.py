@@ -16,6 +16,8 @@ from tests.support.engines import LlamaServer
 from tests.support.exposition import metric
 from tests.support.harness import Sidecar, wait_until
 
+pytestmark = pytest.mark.engine
+
 WAIT, TIMEOUT = 1.0, 0.5
 FROZEN_WHOLE = 1.0 + TIMEOUT + 1.0 + TIMEOUT + 0.5  # see test_ready_then_sigstop_sigcont
 

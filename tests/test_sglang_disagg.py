@@ -2,10 +2,11 @@
 with the sidecar's built-in canary of its role.
 
 A decode request without the bootstrap fields crashes the whole decode server: the test that
-shows it runs first, on a server of its own, so that the decode body this project sends is proven
-necessary, not only accepted. One server at a time (about 2 GB each), in a private network
-namespace. Prepared by ``scripts/prepare_engines.sh --only sglang``; skipped without it or without
-root (failed under CI).
+shows it runs on the decode server that has just passed the decode canaries (it spends it), so
+that the decode body this project sends is proven necessary, not only accepted. One server at a
+time (about 2 GB each), in a private network namespace. Prepared by
+``scripts/prepare_engines.sh --only sglang``; skipped without it or without root (failed under
+CI).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from sidecar.probes.base import Role
 from sidecar.probes.sglang import SglangProber
 from tests.support.harness import wait_until
 from tests.support.netns import isolated  # noqa: F401  (the module's private network namespace)
+from tests.support.processes import Shared, handed_over, spends
 from tests.support.sglang_engine import (
     SglangServer,
     check,
@@ -30,6 +32,8 @@ from tests.support.sglang_engine import (
     sidecar_metric,
 )
 
+pytestmark = pytest.mark.engine
+
 
 def role_body(mode: str) -> dict[str, Any]:
     """The body this project's SGLang prober sends in ``mode``."""
@@ -37,28 +41,13 @@ def role_body(mode: str) -> dict[str, Any]:
     return body
 
 
-def test_a_canary_without_the_bootstrap_fields_kills_a_decode_server(isolated):  # noqa: F811
-    """What a plain (aggregated) canary does to a real SGLang decode server: not a 400, a dead
-    server. A throw-away one."""
-    with sglang_server(mode="decode") as server:
-        started = time.monotonic()
-        with pytest.raises(httpx.HTTPError):
-            server.generate(role_body("aggregated"), timeout=30)
-        assert server.proc is not None
-        code = server.proc.popen.wait(30)
-        print(
-            f"\nREAL-SGLANG decode given a plain canary: the server exited {code} after "
-            f"{time.monotonic() - started:.1f} s: {server.proc.output()[-400:]}"
-        )
-        assert code != 0
-        assert "'NoneType' object has no attribute 'startswith'" in server.proc.output()
-        assert server.status("/v1/models") is None  # refused
-
-
 @pytest.fixture(scope="module")
-def decode(isolated) -> Iterator[SglangServer]:  # noqa: F811
-    with sglang_server(mode="decode") as started:
-        yield started
+def decode_pool(isolated) -> Iterator[Shared[SglangServer]]:  # noqa: F811
+    with Shared("SGLang decode", lambda: sglang_server(mode="decode")) as pool:
+        yield pool
+
+
+decode = handed_over("decode")
 
 
 def test_the_decode_canary_passes_and_the_server_survives_it(decode, sidecar):
@@ -74,9 +63,27 @@ def test_the_decode_canary_passes_and_the_server_survives_it(decode, sidecar):
     assert body["sampling_params"]["max_new_tokens"] == 2
 
 
+@spends("decode")
+def test_a_canary_without_the_bootstrap_fields_kills_a_decode_server(decode):
+    """What a plain (aggregated) canary does to a real SGLang decode server: not a 400, a dead
+    server. It spends the module's decode server."""
+    started = time.monotonic()
+    with pytest.raises(httpx.HTTPError):
+        decode.generate(role_body("aggregated"), timeout=30)
+    assert decode.proc is not None
+    code = decode.proc.popen.wait(30)
+    print(
+        f"\nREAL-SGLANG decode given a plain canary: the server exited {code} after "
+        f"{time.monotonic() - started:.1f} s: {decode.proc.output()[-400:]}"
+    )
+    assert code != 0
+    assert "'NoneType' object has no attribute 'startswith'" in decode.proc.output()
+    assert decode.status("/v1/models") is None  # refused
+
+
 @pytest.fixture(scope="module")
-def prefill(isolated, decode) -> Iterator[SglangServer]:  # noqa: F811
-    decode.close()  # one server at a time
+def prefill(isolated, decode_pool) -> Iterator[SglangServer]:  # noqa: F811
+    decode_pool.close()  # one server at a time
     with sglang_server(mode="prefill") as started:
         yield started
 
@@ -102,8 +109,14 @@ def test_the_prefill_canary_passes_and_pins_nothing(prefill, sidecar):
     side.wait_status(200, 15)
     wait_until(lambda: sidecar_metric(side, "health_sidecar_canary_total") >= 20, 30)
     assert sidecar_metric(side, "health_sidecar_canary_total", outcome="success") >= 20
-    time.sleep(1.0)
-    after = queued(prefill)
+    # The canaries go on (one every 0.1 s), so one reading may catch one of them queued: a
+    # pinned request is in every reading. Each queue's floor over a second of readings.
+    readings = []
+    deadline = time.monotonic() + 1.0
+    while time.monotonic() < deadline:
+        readings.append(queued(prefill))
+        time.sleep(0.1)
+    after = {queue: min(reading[queue] for reading in readings) for queue in QUEUES}
     print(f"\nREAL-SGLANG prefill after 20 canaries: {after}")
     assert after == dict.fromkeys(QUEUES, 0.0)
     assert prefill.status("/health", timeout=10) == 200

@@ -2,7 +2,8 @@
 real /metrics, a frozen scheduler beside SGLang's own /health, and a busy server.
 
 One server for the module (``--max-running-requests 2``, so that four clients make a queue),
-about 20 s to start and 2 GB of RAM, in a private network namespace (SGLang listens on all
+about 20 s to start and 2 GB of RAM, handed to each test after a readiness poll (each freezes
+its scheduler and thaws it), in a private network namespace (SGLang listens on all
 interfaces). Prepared by ``scripts/prepare_engines.sh --only sglang``; skipped without it or
 without root for the namespace (failed under CI). Run with ``-s`` for the figures.
 """
@@ -19,7 +20,10 @@ import pytest
 
 from tests.support.harness import wait_until
 from tests.support.netns import isolated  # noqa: F401  (the module's private network namespace)
+from tests.support.processes import Shared, handed_over
 from tests.support.sglang_engine import SglangServer, canary_body, check, sglang_env, sglang_server
+
+pytestmark = pytest.mark.engine
 
 WAIT, TIMEOUT = 1.0, 0.5  # conftest.FAST
 BOUND = WAIT + TIMEOUT + 2.0
@@ -27,9 +31,12 @@ SGLANG_HEALTH_TIMEOUT = 20.0  # SGLANG_HEALTH_CHECK_TIMEOUT: its /health says 50
 
 
 @pytest.fixture(scope="module")
-def server(isolated: None) -> Iterator[SglangServer]:  # noqa: F811
-    with sglang_server(max_running_requests=2) as started:
-        yield started
+def server_pool(isolated: None) -> Iterator[Shared[SglangServer]]:  # noqa: F811
+    with Shared("SGLang", lambda: sglang_server(max_running_requests=2)) as pool:
+        yield pool
+
+
+server = handed_over("server")
 
 
 def own_health(server: SglangServer, result: dict[str, Any]) -> None:

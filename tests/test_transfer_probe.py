@@ -28,6 +28,7 @@ from tests.support.tables import POLICY
 R, N = Verdict(True, "ok"), Verdict(False, "canary timeout: the transfer probe did not finish")
 
 
+@pytest.mark.unit
 def test_each_probe_has_a_prompt_and_cache_salts_of_its_own():
     one, two = bodies("tiny", 256, 1, "kv-probe-a"), bodies("tiny", 256, 2, "kv-probe-b")
     assert one.prefill["prompt"] != two.prefill["prompt"]
@@ -46,6 +47,7 @@ def test_each_probe_has_a_prompt_and_cache_salts_of_its_own():
     assert decode["cache_salt"] == one.prefill["cache_salt"]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("answer", "params"),
     [
@@ -60,11 +62,13 @@ def test_the_peer_must_say_where_to_pull_from(answer, params):
     assert (transfer_params(answer) is not None) is params
 
 
+@pytest.mark.unit
 def test_generated_text():
     assert generated({"choices": [{"text": " ab"}]}) == " ab"
     assert generated({"choices": []}) is None
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("kv", "listed", "ready", "rule"),
     [
@@ -98,6 +102,7 @@ def failed_transfer_at(at: float) -> EndpointState:
 INTERVAL = 60.0
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("ep", "others", "due", "why"),
     [
@@ -112,6 +117,7 @@ def test_when_the_transfer_probe_is_due(ep, others, due, why):
     assert transfer_due(ep, others, POLICY, INTERVAL, now=30.0) == due, why
 
 
+@pytest.mark.unit
 def test_a_first_probe_is_due_at_once_and_a_paused_engine_gets_none():
     up = Result(Outcome.SUCCESS, "ok", 0.0, 0.01, 1e9)
     fresh = apply_registration(EndpointState("kv_transfer", True, "why"), up, POLICY)
@@ -142,6 +148,7 @@ def kv_check(side) -> dict:
     return side.get("/health").json()["checks"]["kv_transfer"]
 
 
+@pytest.mark.process
 def test_a_healthy_pair_passes_and_a_frozen_peer_informs_without_a_503(engine, sidecar):
     prefill, decode, side = pair(engine, sidecar)
     side.wait_status(200, 5)
@@ -167,6 +174,7 @@ def test_a_healthy_pair_passes_and_a_frozen_peer_informs_without_a_503(engine, s
     wait_until(lambda: kv_check(side)["reason"].startswith("canary passed"), 6, what="recovery")
 
 
+@pytest.mark.process
 def test_listed_kv_transfer_gates_readiness_and_a_dead_peer_is_named(engine, sidecar):
     prefill, _, side = pair(
         engine, sidecar, DYN_SYSTEM_USE_ENDPOINT_HEALTH_STATUS='["generate", "kv_transfer"]'
@@ -180,6 +188,7 @@ def test_listed_kv_transfer_gates_readiness_and_a_dead_peer_is_named(engine, sid
     assert side.get("/live").status_code == 200
 
 
+@pytest.mark.process
 def test_a_transfer_that_brings_corrupted_kv_is_a_wrong_answer(engine, sidecar):
     """The transfer completes and the decode answers 200, but the pulled KV is corrupted: only
     the comparison with a local prefill tells."""

@@ -17,15 +17,23 @@ from typing import Any
 import pytest
 
 from tests.support.harness import wait_until
+from tests.support.processes import Shared, handed_over
 from tests.support.vllm_engine import VllmServer, aggregated_vllm, pause, resume, samples, total
+
+pytestmark = pytest.mark.engine
 
 WAIT, TIMEOUT = 1.0, 1.0
 
 
 @pytest.fixture(scope="module")
-def vllm_dp() -> Iterator[VllmServer]:
-    with aggregated_vllm("--data-parallel-size", "2", "--data-parallel-backend", "mp") as server:
-        yield server
+def vllm_dp_pool() -> Iterator[Shared[VllmServer]]:
+    """The module's server, shared: each test freezes a rank and resumes it."""
+    dp = ("--data-parallel-size", "2", "--data-parallel-backend", "mp")
+    with Shared("vLLM with 2 DP ranks", lambda: aggregated_vllm(*dp)) as pool:
+        yield pool
+
+
+vllm_dp = handed_over("vllm_dp")
 
 
 def env(server: VllmServer, **extra: str) -> dict[str, str]:

@@ -17,7 +17,9 @@ collective. Last, a fault nobody injects: rank 1 killed, rank 0's next collectiv
 vLLM reports rank 0 unhealthy.
 
 Each rank has its own sidecar, as each rank's pod would. One pair for the module (about 75 s to
-start), in a private network namespace (a Worker's torch.distributed store listens on every
+start), handed to each test after a readiness poll that also asks each rank's fault-tolerance
+status (a faulted engine's /health says 200), and spent by the last test; in a private network
+namespace (a Worker's torch.distributed store listens on every
 interface). Prepared by ``scripts/prepare_engines.sh --only vllm``; skipped without it or without
 root (failed under CI).
 """
@@ -26,13 +28,17 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from typing import Any, TypeVar
 
 import pytest
 
 from tests.support.harness import Sidecar, wait_until
 from tests.support.netns import isolated  # noqa: F401  (the module's private network namespace)
+from tests.support.processes import Shared, handed_over, spends
 from tests.support.vllm_engine import FaultTolerantRank, ft_pair
+
+pytestmark = pytest.mark.engine
 
 WAIT, TIMEOUT = 1.0, 1.0
 REGISTRATION_INTERVAL = 0.5  # the fault-tolerance status is read with each registration check
@@ -43,13 +49,22 @@ RECOVER_BOUND = REGISTRATION_INTERVAL + WAIT + TIMEOUT + 3.0  # status healthy, 
 T = TypeVar("T")
 
 
+Pair = tuple[FaultTolerantRank, FaultTolerantRank]
+
+
 @pytest.fixture(scope="module")
-def pair(
+def pair_pool(
     isolated: None,  # noqa: F811
     tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[tuple[FaultTolerantRank, FaultTolerantRank]]:
-    with ft_pair(tmp_path_factory.mktemp("ft-trigger")) as ranks:
-        yield ranks
+) -> Iterator[Shared[Pair]]:
+    def start() -> AbstractContextManager[Pair]:  # a fresh trigger directory each start
+        return ft_pair(tmp_path_factory.mktemp("ft-trigger"))
+
+    with Shared("vLLM fault-tolerant pair", start) as pool:
+        yield pool
+
+
+pair = handed_over("pair")
 
 
 def env(rank: FaultTolerantRank) -> dict[str, str]:
@@ -176,6 +191,7 @@ def test_the_engines_serve_again_after_the_retry(pair):
         assert answer.json()["choices"][0]["finish_reason"] == "length"
 
 
+@spends("pair")
 def test_a_killed_peer_rank_is_a_fault_the_survivor_reports(pair, sidecar):
     """No injected fault: rank 1's processes killed, rank 0's next step fails in a collective
     with it ("Connection reset by peer"), which vLLM's fault tolerance catches. Last in the

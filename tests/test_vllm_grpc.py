@@ -12,7 +12,8 @@ answers what ``AsyncLLM.check_health()`` says. What this module measures, and wh
 - with its EngineCore killed, the health service stops answering SERVING, and the sidecar turns
   503 naming what the engine answered.
 
-One server for the module (about a minute to start), killed last. Prepared by
+One server for the module (about a minute to start), handed to each test after a readiness
+poll, and spent by the last test, which kills its EngineCore. Prepared by
 ``scripts/prepare_engines.sh --only vllm``; skipped without it (failed under CI).
 """
 
@@ -27,20 +28,22 @@ from typing import Any
 import pytest
 
 from tests.support.harness import Sidecar, wait_until
+from tests.support.processes import Shared, handed_over, spends, started
 from tests.support.vllm_engine import GRPC_ENGINE_SERVICE, VllmGrpcServer
+
+pytestmark = pytest.mark.engine
 
 INTERVAL = 0.25
 FROZEN_FOR = 3.0  # seconds the EngineCore stays stopped while the health service is asked
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[VllmGrpcServer]:
-    engine = VllmGrpcServer()
-    try:
-        engine.start()
-        yield engine
-    finally:
-        engine.stop()
+def server_pool() -> Iterator[Shared[VllmGrpcServer]]:
+    with Shared("vLLM gRPC server", lambda: started(VllmGrpcServer())) as pool:
+        yield pool
+
+
+server = handed_over("server")
 
 
 def env(engine: VllmGrpcServer) -> dict[str, str]:
@@ -90,6 +93,7 @@ def test_a_stopped_engine_core_still_answers_serving(server, sidecar):
     assert seen == {"SERVING", 200}
 
 
+@spends("server")
 def test_a_killed_engine_core_is_not_serving_for_good_and_the_sidecar_restarts_it(server, sidecar):
     """Last in the module: the server does not come back. It stays up answering NOT_SERVING (the
     HTTP server exits instead, in about 3 s): the sidecar's not-serving clock fails /live."""

@@ -40,19 +40,26 @@ from typing import Any
 
 import httpx
 
-from tests.support.dynamo_worker import dynamo_env, endpoint_instances
+from tests.support.dynamo_worker import SystemServer, dynamo_env, endpoint_instances
 from tests.support.engines import require
-from tests.support.harness import (
+from tests.support.processes import (
     LOOPBACK,
     ROOT,
-    Owned,
+    MetricsServer,
     Proc,
     base_env,
     descendants,
     free_port,
     wait_until,
 )
-from tests.support.vllm_engine import ENGINE_CORE, ENGINE_NICE, MAX_MODEL_LEN, MODEL, WORKER
+from tests.support.vllm_engine import (
+    ENGINE_CORE,
+    ENGINE_NICE,
+    MAX_MODEL_LEN,
+    MODEL,
+    WORKER,
+    vllm_env,
+)
 
 START_TIMEOUT = 300.0  # listed after 42-83 s on 2 cores (the slow one beside other tests)
 MODES = ("aggregated", "prefill", "decode")
@@ -96,7 +103,7 @@ def rss_mb(pid: int) -> float | None:
     return None
 
 
-class DynamoVllmWorker(Owned):
+class DynamoVllmWorker(SystemServer, MetricsServer):
     """``python -m dynamo.vllm`` with the tiny Llama, file discovery in ``kv_dir``, the TCP
     request plane and the ZMQ event plane, on loopback.
 
@@ -108,6 +115,11 @@ class DynamoVllmWorker(Owned):
     behind it; with it, /health turned 200 about 10 s after the instance was listed (after its
     first canary) and 503 while its canaries fail.
     """
+
+    start_timeout = START_TIMEOUT
+    ready_interval = 0.5
+    handover_timeout = 30.0
+    stop_timeout = 15.0
 
     def __init__(
         self,
@@ -121,19 +133,16 @@ class DynamoVllmWorker(Owned):
     ) -> None:
         assert mode in MODES, mode
         self.paths = require("DYNAMO_VLLM_PYTHON", "DYNAMO_VLLM_SITE_DIR", "VLLM_MODEL_DIR")
+        super().__init__()  # its system server's port: below 32768, Dynamo parses it as an i16
         self.mode = mode
         self.kv_dir = Path(kv_dir)
         self.health_check = health_check
         self.nice = nice
         self.extra = list(extra)
         self.extra_env = dict(env or {})
-        self.system_port = free_port()  # below 32768: Dynamo parses it as an i16
         self.side_channel_port = free_port() if mode != "aggregated" else None
-        self.workdir = Path(tempfile.mkdtemp(prefix=f"dynamo-vllm-{mode}-"))
-        self.proc: Proc | None = None
-        self.http = httpx.Client(timeout=2.0, trust_env=False)
-        self.started_at: float | None = None
         self.listed_after: float | None = None  # seconds from start to the instance in /metrics
+        self._tmpdir: Path | None = None
         self._instance: tuple[str, int] | None = None
 
     @property
@@ -141,29 +150,28 @@ class DynamoVllmWorker(Owned):
         return f"dynamo-vllm-{self.mode}"
 
     @property
-    def system_url(self) -> str:
-        return f"http://{LOOPBACK}:{self.system_port}"
+    def tmpdir(self) -> Path:
+        """Its TMPDIR, made on first use right in the temporary directory: Dynamo and vLLM bind
+        ZMQ IPC sockets there (``ipc://TMPDIR/<uuid4>``), and such a path may not exceed 107
+        characters, which a directory under the session's log directory can."""
+        if self._tmpdir is None:
+            self._tmpdir = Path(tempfile.mkdtemp(prefix="dv-"))
+        return self._tmpdir
 
     def env(self) -> dict[str, str]:
         site = self.paths["DYNAMO_VLLM_SITE_DIR"]
-        env = base_env() | {
-            "HF_HUB_OFFLINE": "1",
-            "TRANSFORMERS_OFFLINE": "1",
-            "VLLM_NO_USAGE_STATS": "1",  # no usage report to the internet
-            "DO_NOT_TRACK": "1",
-            "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB
-            "VLLM_HOST_IP": LOOPBACK,  # vLLM's own sockets and torch.distributed stay on lo
-            "GLOO_SOCKET_IFNAME": "lo",
+        env = base_env() | vllm_env()
+        env |= {
             # vLLM's compute threads on core 0: the other core stays for the test and sidecar.
             "VLLM_CPU_OMP_THREADS_BIND": "0",
             # The import-time fixes (and NIXL's calmer progress thread), in every process.
             "PYTHONPATH": os.pathsep.join(p for p in (site, os.environ.get("PYTHONPATH")) if p),
             # Dynamo's Prometheus multiprocess directory and the like: removed by close().
-            "TMPDIR": str(self.workdir),
+            "TMPDIR": str(self.tmpdir),
         }
         env |= loopback_env(self.kv_dir) | {
             "DYN_SYSTEM_HOST": LOOPBACK,
-            "DYN_SYSTEM_PORT": str(self.system_port),
+            "DYN_SYSTEM_PORT": str(self.port),
         }
         if self.health_check:
             env["DYN_HEALTH_CHECK_ENABLED"] = "true"
@@ -189,35 +197,32 @@ class DynamoVllmWorker(Owned):
             argv += ["--kv-transfer-config", json.dumps(config)]
         return argv + self.extra
 
-    def start(self, *, wait: bool = True) -> DynamoVllmWorker:
+    def start(self, *, wait: bool = True, timeout: float | None = None) -> DynamoVllmWorker:
         self.kv_dir.mkdir(parents=True, exist_ok=True)
-        self.spawn(self.argv(), self.env(), self.name, nice=self.nice)
+        self._instance = None
+        super().start(wait=False)
         if wait:
-            self.wait_listed()
+            self.wait_listed(START_TIMEOUT if timeout is None else timeout)
         return self
 
     # --- identity -------------------------------------------------------------------------
-    def metrics_text(self, timeout: float = 5) -> str:
-        answer = self.http.get(f"{self.system_url}/metrics", timeout=timeout)
-        answer.raise_for_status()
-        return answer.text
+    def ready(self) -> tuple[str, int] | None:
+        """Its system server's /metrics names one instance of a generate endpoint: (its path,
+        the instance)."""
+        # Prefill registers dynamo.prefill.generate, aggregated and decode dynamo.backend.generate.
+        path = "dynamo.prefill.generate" if self.mode == "prefill" else "dynamo.backend.generate"
+        instances = endpoint_instances(self.metrics_text(), path)
+        if len(instances) > 1:
+            raise AssertionError(f"{self.name}: several instances of {path}: {instances}")
+        if instances:
+            self._instance = (path, instances[0])
+            return self._instance
+        return None
 
     def wait_listed(self, timeout: float = START_TIMEOUT) -> float:
         """Wait until the system server's /metrics names an instance of a generate endpoint;
         return the seconds since start."""
-
-        # Prefill registers dynamo.prefill.generate, aggregated and decode dynamo.backend.generate.
-        path = "dynamo.prefill.generate" if self.mode == "prefill" else "dynamo.backend.generate"
-
-        def listed() -> tuple[str, int] | None:
-            self._check_alive()
-            instances = endpoint_instances(self.metrics_text(), path)
-            if len(instances) > 1:
-                raise AssertionError(f"{self.name}: several instances of {path}: {instances}")
-            return (path, instances[0]) if instances else None
-
-        self._instance = wait_until(listed, timeout, interval=0.5, what=f"{self.name} listed")
-        self.listed_after = self.since_start()
+        self.listed_after = self.wait_ready(timeout)
         return self.listed_after
 
     @property
@@ -275,11 +280,14 @@ class DynamoVllmWorker(Owned):
         wait_until(answered, timeout, interval=interval, what=f"{self.name} /health -> {status}")
         return time.monotonic() - begun
 
-    def close(self) -> None:
-        if self.proc is not None:
-            self.proc.stop(timeout=15)
-        self.http.close()
-        shutil.rmtree(self.workdir, ignore_errors=True)
+    def close(self) -> int | None:
+        """Stopped by its process group; its TMPDIR (Dynamo's Prometheus multiprocess files,
+        the IPC sockets and the like) removed."""
+        code = super().close()
+        if self._tmpdir is not None:
+            shutil.rmtree(self._tmpdir, ignore_errors=True)
+            self._tmpdir = None
+        return code
 
 
 @contextlib.contextmanager

@@ -27,7 +27,6 @@ import json
 import os
 import re
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -35,7 +34,7 @@ from typing import Any
 
 import httpx
 
-from tests.support.harness import LOOPBACK, Owned, Proc, base_env, free_port, wait_until
+from tests.support.processes import LOOPBACK, Process, base_env, read_port_file
 
 #: Start-up deadline of a worker or a client (they take 0.4-0.6 s on an idle machine).
 START_TIMEOUT = 30.0
@@ -100,16 +99,29 @@ def endpoint_instances(metrics: str, endpoint_path: str) -> list[int]:
     return found
 
 
-def _read_port(path: Path) -> int | None:
-    try:
-        return int(path.read_text())
-    except (FileNotFoundError, ValueError):
-        return None
+class SystemServer:
+    """A Dynamo worker's names for its port and URL: its system server (``DYN_SYSTEM_PORT``:
+    /health, /live, /metrics), on a port below 32768 (Dynamo parses it as an i16)."""
+
+    port: int
+    url: str
+
+    @property
+    def system_port(self) -> int:
+        return self.port
+
+    @property
+    def system_url(self) -> str:
+        return self.url
 
 
-class FakeDynamoWorker(Owned):
+class FakeDynamoWorker(SystemServer, Process):
     """``python -m fakeengine.dynamo``: a real Dynamo worker with a backend's role rules,
-    its system server on a free port below 32768, its control server on another."""
+    its system server on a free port below 32768, its control server on another (the one it
+    binds and writes to its port file)."""
+
+    start_timeout = START_TIMEOUT
+    ready_interval = 0.05
 
     def __init__(
         self,
@@ -121,16 +133,14 @@ class FakeDynamoWorker(Owned):
         health_check_payload: bool = False,
         env_extra: dict[str, str] | None = None,
     ) -> None:
+        super().__init__()  # its system server's port: below 32768, Dynamo parses it as an i16
         self.backend, self.mode, self.namespace = backend, mode, namespace
+        self.name = f"fakedynamo-{backend}-{mode}"
         self.kv_dir = Path(kv_dir)
         self.health_check_payload = health_check_payload
         self.env_extra = dict(env_extra or {})
-        self.system_port = free_port()  # below 32768: Dynamo parses it as an i16
-        self.workdir = Path(tempfile.mkdtemp(prefix=f"fakedynamo-{backend}-{mode}-"))
-        self.proc: Proc | None = None
         self.control_port: int | None = None
         self._instance_id: int | None = None
-        self.http = httpx.Client(timeout=2.0, trust_env=False)
 
     @property
     def component(self) -> str:
@@ -139,10 +149,6 @@ class FakeDynamoWorker(Owned):
     @property
     def endpoint_path(self) -> str:
         return f"{self.namespace}.{self.component}.generate"
-
-    @property
-    def system_url(self) -> str:
-        return f"http://{LOOPBACK}:{self.system_port}"
 
     @property
     def control_url(self) -> str:
@@ -154,50 +160,53 @@ class FakeDynamoWorker(Owned):
         assert self._instance_id is not None, "start() first"
         return self._instance_id
 
+    @property
+    def port_file(self) -> Path:
+        return self.workdir / "control-port"
+
     def env(self) -> dict[str, str]:
         return (
             base_env()
             | dynamo_env(self.kv_dir)
             | QUIET
-            | {"DYN_SYSTEM_PORT": str(self.system_port), "TMPDIR": str(self.workdir)}
+            | {"DYN_SYSTEM_PORT": str(self.port), "TMPDIR": str(self.workdir)}
             | self.env_extra
         )
 
-    def launch(self) -> FakeDynamoWorker:
-        """Start the process without waiting (see :meth:`wait_started`)."""
-        port_file = self.workdir / "control-port"
-        port_file.unlink(missing_ok=True)
+    def argv(self) -> list[str]:
         argv = [sys.executable, "-m", "fakeengine.dynamo", "--backend", self.backend]
         argv += ["--mode", self.mode, "--namespace", self.namespace]
-        argv += ["--control-port-file", str(port_file)]
+        argv += ["--control-port-file", str(self.port_file)]
         if self.health_check_payload:
             argv.append("--health-check-payload")
+        return argv
+
+    def ready(self) -> bool:
+        """Its control port written, and its system server's metrics naming an instance of the
+        generate endpoint."""
+        self.control_port = read_port_file(self.port_file)
+        if self.control_port is None:
+            return False
+        instances = endpoint_instances(self.metrics(), self.endpoint_path)
+        if instances:
+            self._instance_id = instances[0]
+        return bool(instances)
+
+    def launch(self) -> FakeDynamoWorker:
+        """Start the process without waiting (see :meth:`wait_started`)."""
+        self.port_file.unlink(missing_ok=True)
         self.control_port, self._instance_id = None, None
-        self.spawn(argv, self.env(), f"fakedynamo-{self.backend}-{self.mode}")
-        return self
+        return super().start(wait=False)
 
     def wait_started(self, timeout: float = START_TIMEOUT) -> FakeDynamoWorker:
         """Wait until the control port is written and the system server's metrics name an
         instance of the generate endpoint."""
-        port_file = self.workdir / "control-port"
-
-        def started() -> bool:
-            assert self.proc is not None
-            if self.proc.popen.poll() is not None:
-                raise AssertionError(f"{self.proc.name} exited: {self.proc.output()[-3000:]}")
-            self.control_port = _read_port(port_file)
-            if self.control_port is None:
-                return False
-            instances = endpoint_instances(self.metrics(), self.endpoint_path)
-            if instances:
-                self._instance_id = instances[0]
-            return bool(instances)
-
-        wait_until(started, timeout, interval=0.05, what=f"{self.endpoint_path} to be served")
+        self.wait_ready(timeout)
         return self
 
-    def start(self, timeout: float = START_TIMEOUT) -> FakeDynamoWorker:
-        return self.launch().wait_started(timeout)
+    def start(self, timeout: float = START_TIMEOUT, *, wait: bool = True) -> FakeDynamoWorker:
+        self.launch()
+        return self.wait_started(timeout) if wait else self
 
     def metrics(self) -> str:
         return self.http.get(f"{self.system_url}/metrics").text
@@ -224,43 +233,39 @@ class FakeDynamoWorker(Owned):
         answer.raise_for_status()
         return answer.json()
 
-    def close(self) -> None:
-        super().close()
-        self.http.close()
 
-
-class DynamoClient:
+class DynamoClient(Process):
     """``python -m tests.support.dynamo_worker client``: one Dynamo runtime client in its own
-    process,
-    sending requests straight to an instance on behalf of the test (``POST /call``)."""
+    process, sending requests straight to an instance on behalf of the test (``POST /call``)."""
+
+    name = "dynclient"
+    start_timeout = START_TIMEOUT
+    ready_interval = 0.05
+    http_timeout = 10.0
 
     def __init__(self, kv_dir: str | Path, env_extra: dict[str, str] | None = None) -> None:
+        super().__init__()
         self.kv_dir = Path(kv_dir)
         self.env_extra = dict(env_extra or {})
-        self.workdir = Path(tempfile.mkdtemp(prefix="dynamoclient-"))
-        self.proc: Proc | None = None
-        self.port: int | None = None
-        self.http = httpx.Client(timeout=10.0, trust_env=False)
 
     @property
-    def url(self) -> str:
-        return f"http://{LOOPBACK}:{self.port}"
+    def port_file(self) -> Path:
+        return self.workdir / "port"
 
-    def start(self, timeout: float = START_TIMEOUT) -> DynamoClient:
-        port_file = self.workdir / "port"
+    def env(self) -> dict[str, str]:
         env = base_env() | dynamo_env(self.kv_dir) | QUIET | {"DYN_SYSTEM_PORT": "-1"}
+        return env | {"TMPDIR": str(self.workdir)} | self.env_extra
+
+    def argv(self) -> list[str]:
         argv = [sys.executable, "-m", "tests.support.dynamo_worker", "client"]
-        argv += ["--port-file", str(port_file)]
-        self.proc = Proc(argv, env | {"TMPDIR": str(self.workdir)} | self.env_extra, "dynclient")
+        return [*argv, "--port", str(self.port), "--port-file", str(self.port_file)]
 
-        def started() -> int | None:
-            assert self.proc is not None
-            if self.proc.popen.poll() is not None:
-                raise AssertionError(f"dynamo client exited: {self.proc.output()[-3000:]}")
-            return _read_port(port_file)
+    def ready(self) -> bool:
+        return read_port_file(self.port_file) == self.port
 
-        self.port = wait_until(started, timeout, interval=0.05, what="the dynamo client")
-        return self
+    def start(self, timeout: float = START_TIMEOUT, *, wait: bool = True) -> DynamoClient:
+        self.port_file.unlink(missing_ok=True)
+        return super().start(wait=wait, timeout=timeout)
 
     def call(
         self,
@@ -299,11 +304,6 @@ class DynamoClient:
         )
         answer.raise_for_status()
         return answer.json()
-
-    def close(self) -> None:
-        if self.proc is not None:
-            self.proc.stop()
-        self.http.close()
 
 
 # The client process (runs the Dynamo runtime; imported only there).
@@ -413,7 +413,7 @@ async def _serve_client(args: argparse.Namespace) -> int:
     async def instances(endpoint: str, wait: float = 5.0) -> list[int]:
         return await caller.instances(endpoint, wait)
 
-    sock = bind_socket(LOOPBACK, 0)
+    sock = bind_socket(LOOPBACK, args.port)
     config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off")
     server = uvicorn.Server(config)
     serving = asyncio.create_task(server.serve(sockets=[sock]))
@@ -444,6 +444,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--request-plane", default="tcp")
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser("client", help="serve POST /call and GET /instances on loopback")
+    serve.add_argument("--port", type=int, default=0, help="0 lets the OS pick one")
     serve.add_argument("--port-file", type=Path, required=True)
     once = commands.add_parser("call", help="send one request, print the result as JSON")
     once.add_argument("endpoint", help="ns.comp.ep")

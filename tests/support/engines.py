@@ -14,15 +14,17 @@ from pathlib import Path
 
 import httpx
 
-from tests.support.harness import (
+from tests.support.dynamo_worker import SystemServer, dynamo_env, endpoint_instances
+from tests.support.prerequisites import missing as prerequisite_missing
+from tests.support.processes import (
     LOOPBACK,
-    Owned,
-    Proc,
+    Command,
+    Process,
     base_env,
     free_port,
+    log_dir,
     wait_until,
 )
-from tests.support.prerequisites import missing as prerequisite_missing
 
 PREPARE = "scripts/prepare_engines.sh"
 
@@ -52,39 +54,31 @@ def require(*keys: str) -> dict[str, str]:
     return paths
 
 
-class LlamaServer(Owned):
+class LlamaServer(Process):
     """llama.cpp's llama-server on a free loopback port; restartable on the same port."""
+
+    name = "llama-server"
+    http_timeout = 1.0
+    ready_interval = 0.02
 
     def __init__(self, model: str, *extra: str) -> None:
         self.paths = require("LLAMA_SERVER_BIN", "TINY_GGUF", "BIG_GGUF")
+        super().__init__()
         self.model = self.paths.get(model, model)
         self.extra = list(extra)
-        self.port = free_port()
-        self.proc: Proc | None = None
+        self._model_path = self.model
 
-    @property
-    def url(self) -> str:
-        return f"http://{LOOPBACK}:{self.port}"
+    def argv(self) -> list[str]:
+        argv = [self.paths["LLAMA_SERVER_BIN"], "-m", self._model_path, "--alias", "tiny"]
+        argv += ["--host", LOOPBACK, "--port", str(self.port), "-c", "512", "-t", "1"]
+        return [*argv, "-np", "1", "--metrics", *self.extra]
+
+    def ready(self) -> bool:
+        return self.http.get(f"{self.url}/health").status_code == 200
 
     def start(self, *, wait: bool = True, model: str | None = None) -> LlamaServer:
-        model_path = self.paths.get(model, model) if model else self.model
-        argv = [self.paths["LLAMA_SERVER_BIN"], "-m", model_path, "--alias", "tiny"]
-        argv += ["--host", LOOPBACK, "--port", str(self.port), "-c", "512", "-t", "1"]
-        argv += ["-np", "1", "--metrics", *self.extra]
-        self.spawn(argv, base_env(), "llama-server")
-        if wait:
-            self.wait_ready()
-        return self
-
-    def wait_ready(self, timeout: float = 30) -> None:
-        def ready() -> bool:
-            assert self.proc is not None
-            if self.proc.popen.poll() is not None:
-                raise AssertionError(f"llama-server exited: {self.proc.output()[-2000:]}")
-            with httpx.Client(timeout=1, trust_env=False) as client:
-                return client.get(f"{self.url}/health").status_code == 200
-
-        wait_until(ready, timeout, what="llama-server to load")
+        self._model_path = self.paths.get(model, model) if model else self.model
+        return super().start(wait=wait)
 
 
 class Dynamo:
@@ -93,11 +87,11 @@ class Dynamo:
 
     def __init__(self) -> None:
         self.paths = require("DYNAMO_PYTHON", "DYNAMO_MODEL_DIR")
-        self.workdir = Path(tempfile.mkdtemp(prefix="dynamo-"))
+        self.workdir = Path(tempfile.mkdtemp(prefix="dynamo-", dir=log_dir()))
         self.system_port = free_port()  # below 32768: Dynamo parses it as an i16
         self.frontend_port = free_port()
-        self.worker: Proc | None = None
-        self.frontend: Proc | None = None
+        self.worker: Process | None = None
+        self.frontend: Process | None = None
 
     @property
     def frontend_url(self) -> str:
@@ -124,113 +118,104 @@ class Dynamo:
             "DYN_SYSTEM_USE_ENDPOINT_HEALTH_STATUS": '["generate"]',
         }
         planes = ["--discovery-backend", "file", "--request-plane", "tcp"]
-        self.worker = Proc(
-            [python, "-m", "dynamo.mocker", "--model-path", model, "--model-name", "tiny", *planes],
-            worker_env,
-            "dynamo-mocker",
-        )
-        port = str(self.frontend_port)
-        self.frontend = Proc(
-            [
-                python,
-                "-m",
-                "dynamo.frontend",
-                "--http-host",
-                LOOPBACK,
-                "--http-port",
-                port,
-                *planes,
-            ],
-            self._env(),
-            "dynamo-frontend",
-        )
+        mocker = [python, "-m", "dynamo.mocker", "--model-path", model, "--model-name", "tiny"]
+        self.worker = Command(
+            "dynamo-mocker", [*mocker, *planes], worker_env, port=self.system_port
+        ).start(wait=False)
+        frontend = [python, "-m", "dynamo.frontend", "--http-host", LOOPBACK]
+        frontend += ["--http-port", str(self.frontend_port), *planes]
+        self.frontend = Command(
+            "dynamo-frontend", frontend, self._env(), port=self.frontend_port
+        ).start(wait=False)
         wait_until(self.model_served, 60, interval=0.1, what="the frontend to serve model tiny")
         return self
 
     def model_served(self) -> bool:
-        for proc in (self.worker, self.frontend):
-            assert proc is not None
-            if proc.popen.poll() is not None:
-                raise AssertionError(f"{proc.name} exited: {proc.output()[-2000:]}")
-        with httpx.Client(timeout=1, trust_env=False) as client:
-            models = client.get(f"{self.frontend_url}/v1/models").json().get("data", [])
-        return any(m.get("id") == "tiny" for m in models)
+        for process in (self.worker, self.frontend):
+            assert process is not None
+            process._check_alive()
+        assert self.frontend is not None
+        models = self.frontend.http.get(f"{self.frontend_url}/v1/models", timeout=1)
+        return any(m.get("id") == "tiny" for m in models.json().get("data", []))
+
+    @staticmethod
+    def _health(process: Process | None) -> tuple[int | None, str]:
+        assert process is not None
+        try:
+            answer = process.http.get(f"{process.url}/health", timeout=1)
+        except httpx.HTTPError as exc:
+            return None, type(exc).__name__
+        return answer.status_code, answer.text
 
     def worker_health(self) -> tuple[int | None, str]:
         """What the Dynamo worker's own /health answers: (status, body), or (None, error)."""
-        try:
-            with httpx.Client(timeout=1, trust_env=False) as client:
-                answer = client.get(f"{self.worker_url}/health")
-                return answer.status_code, answer.text
-        except httpx.HTTPError as exc:
-            return None, type(exc).__name__
+        return self._health(self.worker)
 
     def frontend_health(self) -> tuple[int | None, str]:
-        try:
-            with httpx.Client(timeout=1, trust_env=False) as client:
-                answer = client.get(f"{self.frontend_url}/health")
-                return answer.status_code, answer.text
-        except httpx.HTTPError as exc:
-            return None, type(exc).__name__
+        return self._health(self.frontend)
 
     def close(self) -> None:
-        for proc in (self.frontend, self.worker):
-            if proc is not None:
-                proc.stop()
+        for process in (self.frontend, self.worker):
+            if process is not None:
+                process.close()
 
 
-class MockerWorker(Owned):
+class MockerWorker(SystemServer, Process):
     """One Dynamo mocker worker (``python -m dynamo.mocker``, the real worker of ai-dynamo with a
     simulated engine) on the request plane: file discovery in ``kv_dir`` (workers sharing it are
     one deployment), TCP request plane, its system server on a free port below 32768. Dynamo's
     event plane listens on 0.0.0.0: start it only in a private network namespace
     (``tests.support.netns``)."""
 
-    def __init__(self, kv_dir: str | Path, name: str = "mocker", *extra: str) -> None:
-        from tests.support.dynamo_worker import dynamo_env
+    start_timeout = 60.0
+    http_timeout = 1.0
 
+    def __init__(self, kv_dir: str | Path, name: str = "mocker", *extra: str) -> None:
         self.paths = require("DYNAMO_PYTHON", "DYNAMO_MODEL_DIR")
+        super().__init__()  # its system server's port: below 32768, Dynamo parses it as an i16
         self.kv_dir = Path(kv_dir)
-        self.name = name
+        self.name = f"dynamo-mocker-{name}"
         self.extra = list(extra)
-        self.env = base_env() | dynamo_env(self.kv_dir) | {"DYN_LOG": "warn"}
-        self.system_port = free_port()  # below 32768: Dynamo parses it as an i16
-        self.proc: Proc | None = None
         self.instance_id: int | None = None
         self.endpoint_path = "dynamo.backend.generate"
 
-    @property
-    def system_url(self) -> str:
-        return f"http://{LOOPBACK}:{self.system_port}"
+    def env(self) -> dict[str, str]:
+        return (
+            base_env()
+            | dynamo_env(self.kv_dir)
+            | {"DYN_LOG": "warn", "DYN_SYSTEM_PORT": str(self.port)}
+        )
 
-    def start(self, timeout: float = 60) -> MockerWorker:
-        from tests.support.dynamo_worker import endpoint_instances
-
+    def argv(self) -> list[str]:
         python, model = self.paths["DYNAMO_PYTHON"], self.paths["DYNAMO_MODEL_DIR"]
         argv = [python, "-m", "dynamo.mocker", "--model-path", model, "--model-name", "tiny"]
         argv += ["--discovery-backend", "file", "--request-plane", "tcp", "--event-plane", "zmq"]
-        env = self.env | {"DYN_SYSTEM_PORT": str(self.system_port)}
-        self.spawn([*argv, *self.extra], env, f"dynamo-mocker-{self.name}")
+        return argv + self.extra
 
-        def served() -> list[int]:
-            assert self.proc is not None
-            if self.proc.popen.poll() is not None:
-                raise AssertionError(f"{self.proc.name} exited: {self.proc.output()[-2000:]}")
-            with httpx.Client(timeout=1, trust_env=False) as client:
-                text = client.get(f"{self.system_url}/metrics").text
-            return endpoint_instances(text, self.endpoint_path)
+    def ready(self) -> list[int]:
+        """Its generate endpoint's instance, listed on its system server's /metrics."""
+        instances = endpoint_instances(
+            self.http.get(f"{self.url}/metrics").text, self.endpoint_path
+        )
+        if instances:
+            self.instance_id = instances[0]
+        return instances
 
-        self.instance_id = wait_until(served, timeout, interval=0.1, what=f"{self.name} served")[0]
-        return self
+    def unhealthy(self, timeout: float | None = None) -> str | None:
+        """As any process's, and its record still in file discovery (frozen past its lease, a
+        worker stays alive and listed on its own /metrics, but no request can reach it)."""
+        why = super().unhealthy(timeout)
+        if why is None and not self.record().exists():
+            why = "its record is gone from file discovery"
+        return why
 
     def health(self) -> tuple[int | None, str]:
         """What the worker's own /health answers: (status, body), or (None, error)."""
         try:
-            with httpx.Client(timeout=1, trust_env=False) as client:
-                answer = client.get(f"{self.system_url}/health")
-                return answer.status_code, answer.text
+            answer = self.http.get(f"{self.system_url}/health")
         except httpx.HTTPError as exc:
             return None, type(exc).__name__
+        return answer.status_code, answer.text
 
     def record(self) -> Path:
         """Its generate endpoint's record in file discovery."""

@@ -1,6 +1,6 @@
 """A worker's system server as Dynamo's Kubernetes discovery mode serves it, in front of a worker
 that runs with file discovery: ``python -m tests.support.metadata_proxy --upstream URL --kv-dir DIR
---port-file F``.
+--port P --port-file F`` (:class:`MetadataProxy` starts it).
 
 GET /health, /live and /metrics are the worker's own answers. GET /metadata is what a worker
 under Kubernetes discovery serves (Dynamo's ``DiscoveryMetadata``: ``endpoints`` keyed
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -22,6 +23,7 @@ from typing import Any
 import httpx
 
 from tests.support.dynamo_worker import endpoint_instances
+from tests.support.processes import Process, read_port_file
 
 FORWARDED = ("/health", "/live", "/metrics")
 
@@ -51,6 +53,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--upstream", required=True)
     parser.add_argument("--kv-dir", type=Path, required=True)
+    parser.add_argument("--port", type=int, default=0, help="0 lets the OS pick one")
     parser.add_argument("--port-file", type=Path, required=True)
     args = parser.parse_args()
     metadata = Metadata(args.upstream, args.kv_dir)
@@ -77,11 +80,36 @@ def main() -> None:
             self.end_headers()
             self.wfile.write(body)
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server = ThreadingHTTPServer(("127.0.0.1", args.port), Handler)
     tmp = args.port_file.with_suffix(".tmp")
     tmp.write_text(str(server.server_address[1]))
     tmp.rename(args.port_file)
     server.serve_forever()
+
+
+class MetadataProxy(Process):
+    """This proxy in front of the worker whose system server is ``upstream`` and whose file
+    discovery is ``kv_dir``, on a free loopback port."""
+
+    name = "metadata-proxy"
+    start_timeout = 10.0
+    ready_interval = 0.02
+
+    def __init__(self, upstream: str, kv_dir: str | Path) -> None:
+        super().__init__()
+        self.upstream, self.kv_dir = upstream, Path(kv_dir)
+
+    @property
+    def port_file(self) -> Path:
+        return self.workdir / "port"
+
+    def argv(self) -> list[str]:
+        argv = [sys.executable, "-m", "tests.support.metadata_proxy", "--upstream", self.upstream]
+        argv += ["--kv-dir", str(self.kv_dir), "--port", str(self.port)]
+        return [*argv, "--port-file", str(self.port_file)]
+
+    def ready(self) -> bool:
+        return read_port_file(self.port_file) == self.port
 
 
 if __name__ == "__main__":

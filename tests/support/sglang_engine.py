@@ -15,7 +15,7 @@ SGLang's scheduler and mooncake open listeners on all interfaces whatever the ho
 start servers only inside ``tests.support.netns`` (the module fixture ``isolated``): the server and
 every
 client of it then share a loopback that nothing else reaches. The server runs niced (19, its
-session weighted like a pod's cgroup: ``tests.support.harness.weigh_session``) and with
+session weighted like a pod's cgroup: ``tests.support.processes.weigh_session``) and with
 ``--sleep-on-idle`` (else an idle scheduler spins a core at 100 %). Start-up takes 14-23 s alone
 on 2 cores (20-53 s with ``dp_size=2``), about 2 GB of RSS per server: share servers through
 module-scoped fixtures (:func:`sglang_server`).
@@ -41,26 +41,15 @@ import contextlib
 import os
 import random
 import re
-import signal
-import subprocess
-import time
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
 
 from tests.support.engines import require
-from tests.support.harness import (
-    LOOPBACK,
-    Owned,
-    Proc,
-    Sidecar,
-    base_env,
-    descendants,
-    free_port,
-    wait_until,
-)
-from tests.support.vllm_engine import samples, total
+from tests.support.exposition import samples, total
+from tests.support.harness import Sidecar
+from tests.support.processes import LOOPBACK, MetricsServer, base_env, free_port, wait_until
 
 MODEL = "tiny"
 MODES = ("aggregated", "prefill", "decode")
@@ -128,10 +117,22 @@ def canary_body(
     return body
 
 
-class SglangServer(Owned):
+class SglangServer(MetricsServer):
     """``python -m sglang.launch_server`` on a free loopback port, in ``mode`` "aggregated",
     "decode" (fake transfer backend) or "prefill" (mooncake_tcp, its own bootstrap port);
-    ``dp_size`` 2 runs two data-parallel schedulers on the same two cores."""
+    ``dp_size`` 2 runs two data-parallel schedulers on the same two cores.
+
+    Stopped by SIGTERM to the launcher alone, which drains and ends its children (0 within about
+    a second). A SIGTERM to the whole group would kill the schedulers first; the launcher then
+    takes that for a crash and kills itself after 5 s of "crash diagnostics" (-9). The group
+    gets SIGCONT first (a frozen scheduler) and SIGKILL last (whatever is left)."""
+
+    start_timeout = START_TIMEOUT
+    ready_interval = 0.25
+    handover_timeout = 30.0
+    stop_timeout = 15.0
+    stop_group = False
+    http_timeout = 5.0
 
     def __init__(
         self,
@@ -145,22 +146,14 @@ class SglangServer(Owned):
         if mode not in MODES:
             raise ValueError(f"mode {mode!r} is not one of {MODES}")
         self.paths = require("SGLANG_PYTHON", "SGLANG_SITE_DIR", "SGLANG_MODEL_DIR")
+        super().__init__()
         self.mode = mode
         self.dp_size = dp_size
         self.max_running_requests = max_running_requests
         self.nice = nice
         self.extra = list(extra)
         self.extra_env = dict(env or {})
-        self.port = free_port()
         self.bootstrap_port = free_port() if mode == "prefill" else None
-        self.proc: Proc | None = None
-        self.http = httpx.Client(timeout=5.0, trust_env=False)
-        self.started_at: float | None = None
-        self.ready_after: float | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://{LOOPBACK}:{self.port}"
 
     @property
     def name(self) -> str:
@@ -204,41 +197,17 @@ class SglangServer(Owned):
             argv += ["--max-running-requests", str(self.max_running_requests)]
         return argv + self.extra
 
-    def start(self, *, wait: bool = True, timeout: float = START_TIMEOUT) -> SglangServer:
-        self.spawn(self.argv(), self.env(), self.name, nice=self.nice)
-        if wait:
-            self.wait_ready(timeout)
-        return self
-
-    def wait_ready(self, timeout: float = START_TIMEOUT) -> float:
-        """Wait for the model in ``/v1/models`` (200), then ``/health`` 200 (a 1-token generation
-        in 0.5.23); return the seconds since start."""
-
-        def models() -> bool:
-            self._check_alive()
-            answer = self.http.get(f"{self.url}/v1/models", timeout=2)
-            if answer.status_code != 200:
-                return False
-            return any(m.get("id") == MODEL for m in answer.json().get("data", []))
-
-        def healthy() -> bool:
-            self._check_alive()
-            return self.http.get(f"{self.url}/health", timeout=10).status_code == 200
-
-        deadline = time.monotonic() + timeout
-        wait_until(models, timeout, interval=0.25, what=f"{self.name} to serve {MODEL}")
-        left = max(1.0, deadline - time.monotonic())
-        wait_until(healthy, left, interval=0.25, what=f"{self.name} /health 200")
-        assert self.started_at is not None
-        self.ready_after = time.monotonic() - self.started_at
-        return self.ready_after
+    def ready(self) -> bool:
+        """The model in ``/v1/models`` (200), then ``/health`` 200 (a 1-token generation in
+        0.5.23)."""
+        answer = self.http.get(f"{self.url}/v1/models", timeout=2)
+        if answer.status_code != 200:
+            return False
+        if not any(m.get("id") == MODEL for m in answer.json().get("data", [])):
+            return False
+        return self.http.get(f"{self.url}/health", timeout=10).status_code == 200
 
     # --- processes ------------------------------------------------------------------------
-    def processes(self) -> dict[int, str]:
-        """The server's descendants: pid -> process title."""
-        assert self.proc is not None
-        return descendants(self.proc.pid)
-
     def scheduler_pids(self, timeout: float = 10) -> dict[int, int]:
         """dp_rank -> pid of its ``sglang::scheduler`` process (one per rank; the rank is read
         from the title's ``_DP<rank>`` suffix, see :func:`scheduler_rank`)."""
@@ -252,14 +221,6 @@ class SglangServer(Owned):
             return ranks if len(ranks) == self.dp_size else None
 
         return wait_until(find, timeout, interval=0.1, what=f"{SCHEDULER} under {self.name}")
-
-    def freeze(self, pid: int) -> None:
-        """SIGSTOP one process of the server (a scheduler: a hung engine)."""
-        os.kill(pid, signal.SIGSTOP)
-
-    def thaw(self, pid: int) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGCONT)
 
     # --- HTTP -----------------------------------------------------------------------------
     def status(self, path: str, timeout: float = 2) -> int | None:
@@ -278,34 +239,6 @@ class SglangServer(Owned):
         port = self.bootstrap_port
         body = canary_body(max_new_tokens, bootstrap=bootstrap, bootstrap_port=port, **kw)
         return self.generate(body, timeout)
-
-    def metrics_text(self, timeout: float = 5) -> str:
-        answer = self.http.get(f"{self.url}/metrics", timeout=timeout)
-        answer.raise_for_status()
-        return answer.text
-
-    def metrics(self, timeout: float = 5) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
-        return samples(self.metrics_text(timeout))
-
-    def close(self, timeout: float = 15) -> int | None:
-        """Stop the server and end its whole process group; return the launcher's exit code.
-
-        SIGTERM goes to the launcher alone, which drains and ends its children (0 within about a
-        second). A SIGTERM to the whole group would kill the schedulers first; the launcher
-        then takes that for a crash and kills itself after 5 s of "crash diagnostics" (-9). The
-        group gets SIGCONT first (a frozen scheduler) and SIGKILL last (whatever is left)."""
-        code = None
-        if self.proc is not None:
-            popen = self.proc.popen
-            if popen.poll() is None:
-                self.proc.signal(signal.SIGCONT)
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(popen.pid, signal.SIGTERM)
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    popen.wait(timeout)
-            code = self.proc.stop(timeout=5)
-        self.http.close()
-        return code
 
 
 @contextlib.contextmanager

@@ -23,24 +23,18 @@ import contextlib
 import json
 import os
 import signal
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
 from sidecar.probes.transfer import REMOTE_DECODE
 from tests.support.engines import require
-from tests.support.harness import (
-    LOOPBACK,
-    Owned,
-    Proc,
-    base_env,
-    free_port,
-    wait_until,
-)
+from tests.support.exposition import metric_names, samples, total
+from tests.support.processes import LOOPBACK, MetricsServer, base_env, free_port
+
+__all__ = ["metric_names", "samples", "total"]  # here too, for the tests that read them here
 
 MODEL = "tiny"
 MAX_MODEL_LEN = 512
@@ -48,43 +42,38 @@ START_TIMEOUT = 300.0  # 50-65 s alone on 2 cores; far more beside a second inst
 ENGINE_CORE = "VLLM::EngineCore"
 WORKER = "VLLM::Worker"
 # Ask for exactly one generated token from a greedy request, whatever the random weights say.
-# The engine's CPU weight against the sidecar and the test (tests.support.harness.weigh_session): a
-# pod
-# gives each container a CPU cgroup of its own; one cgroup shared here needs the engine niced.
+# The engine's CPU weight against the sidecar and the test (tests.support.processes.weigh_session):
+# a pod gives each container a CPU cgroup of its own; one cgroup shared here needs the engine niced.
 ENGINE_NICE = 19
 GREEDY = {"temperature": 0, "ignore_eos": True, "stream": False}
 
 
-def samples(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
-    """Prometheus text -> {(sample name, labels): value} (prometheus-client's parser)."""
-    out: dict[tuple[str, frozenset[tuple[str, str]]], float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            out[(sample.name, frozenset(sample.labels.items()))] = sample.value
-    return out
+def vllm_env() -> dict[str, str]:
+    """What every vLLM here runs with (a plain server, or inside dynamo.vllm): offline, on
+    loopback, a 1 GiB KV cache."""
+    return {
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",  # no usage report to the internet
+        "DO_NOT_TRACK": "1",
+        "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB
+        "VLLM_HOST_IP": LOOPBACK,  # vLLM's own sockets and torch.distributed stay on lo
+        "GLOO_SOCKET_IFNAME": "lo",
+    }
 
 
-def metric_names(text: str) -> set[str]:
-    """Every family and sample name in Prometheus text."""
-    names: set[str] = set()
-    for family in text_string_to_metric_families(text):
-        names.add(family.name)
-        names.update(sample.name for sample in family.samples)
-    return names
-
-
-def total(parsed: dict[tuple[str, frozenset[tuple[str, str]]], float], name: str, **labels: str):
-    """Sum of the samples called ``name`` whose labels include ``labels``."""
-    want = set(labels.items())
-    return sum(v for (n, ls), v in parsed.items() if n == name and want <= ls)
-
-
-class VllmServer(Owned):
+class VllmServer(MetricsServer):
     """``python -m vllm.entrypoints.openai.api_server`` on a free loopback port.
 
     ``role`` is "aggregated", or "prefill" / "decode" for an instance with NIXL's KV connector
     (``kv_role`` kv_producer / kv_consumer unless given).
     """
+
+    start_timeout = START_TIMEOUT
+    ready_interval = 0.25
+    handover_timeout = 30.0
+    stop_timeout = 15.0
+    http_timeout = 5.0
 
     def __init__(
         self,
@@ -105,36 +94,20 @@ class VllmServer(Owned):
         if self.site:
             keys += ("VLLM_SITE_DIR",)
         self.paths = require(*keys)
+        super().__init__()
         self.role = role
         self.kv_role = kv_role or {"prefill": "kv_producer", "decode": "kv_consumer"}.get(role)
         self.nice = nice
         self.extra = list(extra)
         self.extra_env = dict(env or {})
-        self.port = free_port()
         self.side_channel_port = free_port() if self.kv_role else None
-        self.proc: Proc | None = None
-        self.http = httpx.Client(timeout=5.0, trust_env=False)
-        self.started_at: float | None = None
-        self.ready_after: float | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://{LOOPBACK}:{self.port}"
 
     @property
     def name(self) -> str:
         return f"vllm-{self.role}"
 
     def env(self) -> dict[str, str]:
-        env = base_env() | {
-            "HF_HUB_OFFLINE": "1",
-            "TRANSFORMERS_OFFLINE": "1",
-            "VLLM_NO_USAGE_STATS": "1",  # no usage report to the internet
-            "DO_NOT_TRACK": "1",
-            "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB
-            "VLLM_HOST_IP": LOOPBACK,  # vLLM's own sockets and torch.distributed stay on lo
-            "GLOO_SOCKET_IFNAME": "lo",
-        }
+        env = base_env() | vllm_env()
         if self.kv_role:
             assert self.side_channel_port is not None
             env |= {
@@ -162,26 +135,12 @@ class VllmServer(Owned):
             argv += ["--kv-transfer-config", json.dumps(config)]
         return argv + self.extra
 
-    def start(self, *, wait: bool = True) -> VllmServer:
-        self.spawn(self.argv(), self.env(), self.name, nice=self.nice)
-        if wait:
-            self.wait_ready()
-        return self
-
-    def wait_ready(self, timeout: float = START_TIMEOUT) -> float:
-        """Wait for /health 200 and the model in /v1/models; return seconds since start."""
-
-        def ready() -> bool:
-            self._check_alive()
-            if self.http.get(f"{self.url}/health", timeout=2).status_code != 200:
-                return False
-            models = self.http.get(f"{self.url}/v1/models", timeout=2).json()
-            return any(m.get("id") == MODEL for m in models.get("data", []))
-
-        wait_until(ready, timeout, interval=0.25, what=f"{self.name} to serve {MODEL}")
-        assert self.started_at is not None
-        self.ready_after = time.monotonic() - self.started_at
-        return self.ready_after
+    def ready(self) -> bool:
+        """/health 200 and the model in /v1/models."""
+        if self.http.get(f"{self.url}/health", timeout=2).status_code != 200:
+            return False
+        models = self.http.get(f"{self.url}/v1/models", timeout=2).json()
+        return any(m.get("id") == MODEL for m in models.get("data", []))
 
     # --- processes ------------------------------------------------------------------------
     def engine_core_pid(self) -> int:
@@ -198,21 +157,15 @@ class VllmServer(Owned):
         except httpx.HTTPError:
             return None
 
-    def metrics_text(self, timeout: float = 5) -> str:
-        answer = self.http.get(f"{self.url}/metrics", timeout=timeout)
-        answer.raise_for_status()
-        return answer.text
-
-    def metrics(self, timeout: float = 5) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
-        return samples(self.metrics_text(timeout))
-
     def complete(self, body: dict[str, Any], timeout: float = 30) -> httpx.Response:
         return self.http.post(f"{self.url}/v1/completions", json=body, timeout=timeout)
 
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.stop(timeout=15)
-        self.http.close()
+    def stop(self, timeout: float | None = None) -> int | None:
+        """End it by its process group, and close its HTTP client."""
+        code = super().stop(timeout)
+        if self._http is not None:
+            self._http.close()
+        return code
 
 
 def prompt_ids(n: int, offset: int = 0) -> list[int]:
@@ -363,6 +316,18 @@ class FaultTolerantRank(VllmServer):
         engines = {e["id"]: e for e in self.ft_status()["engines"]}
         return str(engines[self.rank]["status"])
 
+    def unhealthy(self, timeout: float | None = None) -> str | None:
+        """As any server's, and its engine reports "healthy" on /fault_tolerance/status (its own
+        /health says 200 through a fault)."""
+        why = super().unhealthy(timeout)
+        if why is not None:
+            return why
+        try:
+            state = self.ft_state()
+        except (httpx.HTTPError, KeyError, ValueError) as exc:
+            return f"fault-tolerance status unreadable: {exc!r}"
+        return None if state == "healthy" else f"its engine reports {state}"
+
     def retry(self) -> httpx.Response:
         """``POST /fault_tolerance/apply {"instruction": "retry"}`` (202; recovery runs behind)."""
         return self.http.post(
@@ -442,14 +407,6 @@ class VllmGrpcServer(VllmServer):
                 return str(exc.code().name)  # type: ignore[attr-defined]
         return str(health_pb2.HealthCheckResponse.ServingStatus.Name(answer.status))
 
-    def wait_ready(self, timeout: float = START_TIMEOUT) -> float:
-        """Wait for SERVING on the engine's service; return seconds since start."""
-
-        def ready() -> bool:
-            self._check_alive()
-            return self.check(timeout=1) == "SERVING"
-
-        wait_until(ready, timeout, interval=0.25, what=f"{self.name} to answer SERVING")
-        assert self.started_at is not None
-        self.ready_after = time.monotonic() - self.started_at
-        return self.ready_after
+    def ready(self) -> bool:
+        """SERVING on the engine's service."""
+        return self.check(timeout=1) == "SERVING"
