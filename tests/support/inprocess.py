@@ -13,7 +13,10 @@ and runs on as the engine decides
 kill fails the requests in flight. ``load_seconds`` loads on the virtual clock (vLLM and
 TensorRT-LLM refuse connections meanwhile, the others answer 503 "Loading model"). In the engine's
 request log (``requests()``), ``at`` is the virtual time a request arrived. ``in_flight`` holds a
-client's request in the engine while a test watches (``send``: one as a task).
+client's request in the engine while a test watches (``send``: one as a task). A plain client
+of a link speaks through ``TimedClient``: its httpx read timeout runs on the virtual clock (the
+client leaves, httpx.ReadTimeout is raised); ``VirtualIdleLink``'s ranks count their idle time
+on the virtual clock too.
 
 What the sidecar shows: ``wait_status`` and ``statuses`` (every status a route answered over a
 span), ``health_body``, ``metrics``, and ``log``, the lines its log would say.
@@ -41,7 +44,7 @@ from aiotools import VirtualClock
 
 from fakeengine.app import build_app
 from fakeengine.backends import BACKENDS
-from fakeengine.state import EngineConfig, EngineState
+from fakeengine.state import EngineConfig, EngineState, Rank
 from sidecar.config import Settings, broken_rules
 from sidecar.core.events import Event
 from sidecar.runtime.health import Health
@@ -258,6 +261,66 @@ class EngineLink(httpx.AsyncBaseTransport):
     async def aclose(self) -> None:
         await self.admin.aclose()
         await self._end_handlers()
+
+
+class VirtualRank(Rank):
+    """A data-parallel rank whose idle time (SGLang's ``scheduler_idle_seconds_total``) runs on
+    the loop's clock, as :class:`Rank`'s runs on the wall clock."""
+
+    def __init__(self, index: int) -> None:
+        super().__init__(index)
+        self._idle_since = asyncio.get_running_loop().time()
+
+    def start_running(self) -> None:
+        if self.stats.running == 0 and self._idle_since is not None:
+            self._idle_total += asyncio.get_running_loop().time() - self._idle_since
+            self._idle_since = None
+        self.stats.running += 1
+
+    def stop_running(self) -> None:
+        self.stats.running -= 1
+        if self.stats.running == 0:
+            self._idle_since = asyncio.get_running_loop().time()
+
+    def idle_seconds(self) -> float:
+        since = self._idle_since
+        now = asyncio.get_running_loop().time()
+        return self._idle_total + (0.0 if since is None else now - since)
+
+
+class VirtualIdleLink(EngineLink):
+    """An :class:`EngineLink` whose ranks count their idle time on the loop's clock too (after
+    each start), so that a published idle time is an exact virtual figure."""
+
+    def _start(self) -> None:
+        super()._start()
+        self.state.ranks = [VirtualRank(rank.index) for rank in self.state.ranks]
+
+
+class TimedClient(httpx.AsyncBaseTransport):
+    """A client's side of a link, for ``httpx.AsyncClient(transport=TimedClient(link))``: the
+    request's read timeout (httpx's ``timeout=``) runs on the loop's clock; when it passes the
+    client leaves (a served engine hears ``http.disconnect``) and httpx.ReadTimeout is raised,
+    as over a socket. Closing the client leaves the link open (the test closes it)."""
+
+    def __init__(self, link: httpx.AsyncBaseTransport) -> None:
+        self.link = link
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        seconds = request.extensions.get("timeout", {}).get("read")
+        if seconds is None:
+            return await self.link.handle_async_request(request)
+        deadline = asyncio.timeout(seconds)
+        try:
+            async with deadline:
+                return await self.link.handle_async_request(request)
+        except TimeoutError:
+            if not deadline.expired():  # not ours
+                raise
+            raise httpx.ReadTimeout(f"no answer within {seconds} s", request=request) from None
+
+    async def aclose(self) -> None:
+        pass
 
 
 @dataclass
