@@ -435,7 +435,15 @@ class Monitor:
         canary's wait (and half a metrics interval) before its timeout, so that it covers the
         wait; shared by every unit whose canary timed out then."""
         waited = result.finished - result.started
-        read = await self.reads.since(spec.path, result.finished - min(self._slack(), waited / 4))
+        since = result.finished - min(self._slack(), waited / 4)
+        return await self._shared_read(unit, spec, since)
+
+    async def _shared_read(
+        self, unit: str, spec: ProgressSpec, since: float
+    ) -> ProgressSample | None:
+        """This unit's progress in a read of the engine's metrics that started at or after
+        ``since``: the last one, the one in flight, or a new one (:class:`Reads`)."""
+        read = await self.reads.since(spec.path, since)
         if read.text is None:
             return None
         counted = (read.sent.get(unit, 0), read.done.get(unit, 0))
@@ -459,18 +467,29 @@ class Monitor:
             request.request_id,
             " to confirm a stall suspicion" if confirming else "",
         )
-        # Its baseline: the engine-level read before it left, within one interval of it.
-        latest = ep.progress.latest if ep.progress.readable else None
-        fresh = latest is not None and latest.at >= self.health.clock() - policy.metrics_interval
-        baseline = latest if fresh else None
+        spec = plan.progress_spec(self.routes.metrics)
         self._sent[unit] = self._sent.get(unit, 0) + 1
         self._done.setdefault(unit, 0)
-        result = await probe(plan, request, model)
+        # Its baseline: the engine-level read before it left, when that is within one interval
+        # of it; else (the periodic read is due, or slow) a read shared with it, beside the
+        # canary so that it never delays it.
+        latest = ep.progress.latest if ep.progress.readable else None
+        now = self.health.clock()
+        baseline: ProgressSample | asyncio.Task[ProgressSample | None] | None = latest
+        if watching and (latest is None or latest.at < now - policy.metrics_interval):
+            baseline = asyncio.create_task(self._shared_read(unit, spec, now - self._slack()))
+        try:
+            result = await probe(plan, request, model)
+        except BaseException:
+            if isinstance(baseline, asyncio.Task):
+                baseline.cancel()
+            raise
+        if isinstance(baseline, asyncio.Task):
+            baseline = await baseline
         end = None
         if watching and result.outcome is Outcome.TIMEOUT:
             # Only evidence about this canary: the read counts it in flight, so it does not go
             # into the progress source (whose reads of the engine's own work it would skew).
-            spec = plan.progress_spec(self.routes.metrics)
             end = await self._end_read(unit, spec, result)
         self._done[unit] += 1
         self.observe(
