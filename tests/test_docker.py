@@ -265,26 +265,38 @@ DYNAMO_ENV = {
 }
 
 
-def check_config(docker: Docker, image: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+def check_config(
+    docker: Docker, image: str, env: dict[str, str], *args: str
+) -> subprocess.CompletedProcess:
+    """The image run with ``env`` and ``args`` (--check-config unless others are given)."""
     flags = [arg for key, value in env.items() for arg in ("-e", f"{key}={value}")]
-    return docker("run", "--rm", "--network", "host", *flags, image, "--check-config", check=False)
+    argv = args or ("--check-config",)
+    return docker("run", "--rm", "--network", "host", *flags, image, *argv, check=False)
 
 
 def test_the_image_with_the_dynamo_extra_has_the_runtime_and_without_it_says_so(
     docker: Docker, image: str
 ):
-    """--build-arg EXTRAS=dynamo adds Dynamo's runtime client; the plain image refuses the
-    transport with one line, at start, instead of failing later."""
+    """--build-arg EXTRAS=dynamo adds Dynamo's runtime client; the plain image passes
+    --check-config (validation does not depend on what is installed) and says the runtime is not
+    there, and refuses to start with one line naming the command that installs it there."""
     seconds = docker.build(
         "--build-arg", f"BASE={docker.base}", "--build-arg", "EXTRAS=dynamo",
         "-t", DYNAMO_IMAGE, ".",
     )  # fmt: skip
     try:
         plain = check_config(docker, image, DYNAMO_ENV)
-        assert plain.returncode == 2, plain.stdout + plain.stderr
-        lines = plain.stderr.strip().splitlines()
-        assert len(lines) == 1, plain.stderr
-        assert "SIDECAR_TRANSPORT=dynamo: expected Dynamo's runtime client installed" in lines[0]
+        assert plain.returncode == 0, plain.stdout + plain.stderr
+        assert "-m pip install 'health-sidecar[dynamo]'" in plain.stdout
+        started = check_config(docker, image, DYNAMO_ENV, "serve")
+        assert started.returncode == 2, started.stdout + started.stderr
+        lines = started.stderr.strip().splitlines()
+        assert len(lines) == 1, started.stderr
+        assert lines[0].startswith(
+            "health-sidecar: cannot start: SIDECAR_TRANSPORT=dynamo: expected Dynamo's runtime "
+            "client installed"
+        )
+        assert "-m pip install 'health-sidecar[dynamo]'" in lines[0]
         extra = check_config(docker, DYNAMO_IMAGE, DYNAMO_ENV)
         assert extra.returncode == 0, extra.stderr
         assert "over the request plane, direct to the instance of generate" in extra.stdout
