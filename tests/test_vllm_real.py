@@ -452,7 +452,9 @@ def test_decode_waits_deferred_on_a_frozen_prefill(vllm_pd_pair):
             "in_progress": total(m, "vllm:num_requests_kv_fetch_by_stage", stage="in_progress"),
             "running": total(m, "vllm:num_requests_running"),
         }
-        return state if state["deferred"] == 1 else None
+        # The fetch goes through waiting_to_start before in_progress: a read between the two
+        # stages shows deferred 1 with in_progress 0 (seen once in CI). Wait for the fetch itself.
+        return state if state["deferred"] == 1 and state["in_progress"] == 1 else None
 
     pause(worker)
     try:
