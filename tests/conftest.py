@@ -316,13 +316,14 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     in every child) at a directory under pytest's basetemp, which a passing run removes."""
     config = session.config
     temp_root = Path(tempfile.gettempdir())
+    temp_before = set(os.listdir(temp_root))  # before pytest makes its own root there
     basetemp = config._tmp_path_factory.getbasetemp()  # what the tmp_path_factory fixture uses
     session_tmp = basetemp / "tmp"
     session_tmp.mkdir(exist_ok=True)
     session_id = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
     config.stash[RESIDUE] = Residue(
         temp_root=temp_root,
-        temp_before=set(os.listdir(temp_root)),
+        temp_before=temp_before,
         session_tmp=session_tmp,
         session_id=session_id,
         saved_env=os.environ.get("TMPDIR"),
@@ -384,6 +385,17 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
             else:
                 os.environ[name] = value
         tempfile.tempdir = residue.saved_tempdir
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Remove pytest's own root in the temp directory (pytest-of-USER) when this session made it
+    and a passing run left it empty: pytest removes the run's basetemp, never its parent."""
+    residue = config.stash.get(RESIDUE, None)
+    if residue is None:
+        return
+    for name in _pytest_roots(residue, config) - residue.temp_before:
+        with contextlib.suppress(OSError):  # not empty: a failing run keeps its files to read
+            (residue.temp_root / name).rmdir()
 
 
 def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:

@@ -355,3 +355,14 @@ def test_a_clean_run_passes_and_its_processes_carry_the_marker(tmp_path):
     assert "residue" not in done.stdout
     assert "1 passed" in done.stdout
     assert os.environ[SESSION_MARKER]  # this session's, inherited by the throwaway run's
+
+
+@pytest.mark.process
+def test_a_passing_run_leaves_its_temporary_directory_as_it_found_it(tmp_path):
+    """Not even pytest's own root (pytest-of-USER), which pytest empties but never removes."""
+    root = tmp_path / "root"
+    root.mkdir()
+    passing = "import pytest\n\n\n@pytest.mark.unit\ndef test_passes(tmp_path):\n    pass\n"
+    done = run_pytest(tmp_path, passing, {"TMPDIR": str(root)})
+    assert done.returncode == pytest.ExitCode.OK, done.stdout + done.stderr
+    assert sorted(p.name for p in root.iterdir()) == []
