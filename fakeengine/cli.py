@@ -92,6 +92,12 @@ def build_parser() -> argparse.ArgumentParser:
         "is held until /wake_up",
     )
     parser.add_argument(
+        "--ec-storage-path",
+        metavar="DIR",
+        help="vllm --mode encode only, as ECExampleConnector's shared_storage_path: each encoded "
+        "image is written to DIR/<hash>/encoder_cache.safetensors",
+    )
+    parser.add_argument(
         "--kv-handshake-timeout",
         type=_non_negative,
         default=NIXL_HANDSHAKE_TIMEOUT,
@@ -146,6 +152,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"--dp-size {args.dp_size}: data-parallel ranks exist only for --backend "
             + " and ".join(DP_BACKENDS)
         )
+    if args.ec_storage_path is not None and (args.backend, args.mode) != ("vllm", "encode"):
+        parser.error("--ec-storage-path exists only for --backend vllm --mode encode")
     if args.grpc_health_port is not None and args.backend != "vllm":
         parser.error("--grpc-health-port exists only for --backend vllm")
     if args.disaggregation_transfer_backend is not None and args.backend != "sglang":
@@ -179,6 +187,7 @@ async def _run(args: argparse.Namespace) -> int:
         dp_size=args.dp_size,
         health_check_timeout=args.health_check_timeout,
         transfer_backend=args.disaggregation_transfer_backend,
+        ec_storage_path=args.ec_storage_path,
     )
     state = EngineState(config, loading_seconds=0.0 if binds_after_loading else args.load_seconds)
     server = _EngineServer(

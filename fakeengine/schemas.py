@@ -73,6 +73,16 @@ class ChatRequest(OpenAIRequest):
     def media_parts(self) -> int:
         return sum(message.media_parts() for message in self.messages)
 
+    def media_items(self) -> list[dict[str, Any]]:
+        """The media content parts, in order."""
+        return [
+            part
+            for message in self.messages
+            if isinstance(message.content, list)
+            for part in message.content
+            if part.get("type") in MEDIA_PART_TYPES
+        ]
+
     def wanted_tokens(self) -> int:
         return self.max_completion_tokens or self.max_tokens or DEFAULT_MAX_TOKENS
 

@@ -146,6 +146,9 @@ class EngineConfig:
     # SGLang's realtime_tokens_total). Without them only counters that move as requests complete
     # remain, as on an older SGLang or another server.
     step_counters: bool = True
+    # vLLM encode mode: ECExampleConnector's shared_storage_path, where each encoded item goes
+    # (<item hash>/encoder_cache.safetensors); None: encoded items are written nowhere.
+    ec_storage_path: str | None = None
 
 
 @dataclass

@@ -255,7 +255,19 @@ class Settings(BaseSettings):
         "one of aggregated, agg, prefill_and_decode, prefill, decode, encode",
     )
     model_type: ModelType = _env(
-        "SIDECAR_MODEL_TYPE", ModelType.TEXT, "text or multimodal.", "text or multimodal"
+        "SIDECAR_MODEL_TYPE",
+        ModelType.TEXT,
+        "text or multimodal. With SIDECAR_DISAGGREGATION_MODE=encode, multimodal gives the "
+        "encode worker a canary with a new image each time (vllm); text keeps it without one.",
+        "text or multimodal",
+    )
+    ec_storage_path: str | None = _env(
+        "SIDECAR_EC_STORAGE_PATH",
+        None,
+        "Where a vLLM encoder's ECExampleConnector stores encoded items (its "
+        "shared_storage_path), as mounted in the sidecar: each encode canary's item is removed "
+        "from it, and a timed-out canary's when it appears. Unset: canary items stay there.",
+        "the absolute path of a directory",
     )
     model: str | None = _env(
         "SIDECAR_MODEL",
@@ -685,9 +697,9 @@ class Settings(BaseSettings):
             raise ValueError("not an endpoint name nor namespace.component.endpoint")
         return path
 
-    @field_validator("file_kv")
+    @field_validator("file_kv", "ec_storage_path")
     @classmethod
-    def _file_kv(cls, value: str | None) -> str | None:
+    def _absolute(cls, value: str | None) -> str | None:
         if value is not None and not Path(value).is_absolute():
             raise ValueError("not an absolute path")
         return value
@@ -770,6 +782,15 @@ def _dynamo(s: Settings) -> bool:
     return s.transport is Transport.DYNAMO
 
 
+def _vllm_encoder(s: Settings) -> bool:
+    return (s.backend, s.disaggregation_mode, s.model_type, s.transport) == (
+        Backend.VLLM,
+        Mode.ENCODE,
+        ModelType.MULTIMODAL,
+        Transport.HTTP,
+    )
+
+
 def _taken_by_grpc(s: Settings) -> str:
     return "system_port" if s.grpc_port == s.system_port else "control_port"
 
@@ -808,6 +829,14 @@ RULES: tuple[Rule, ...] = (
         lambda s: (
             "unset (the transfer probe speaks vLLM's NIXL connector from a decode worker; "
             f"this is {s.backend} {s.disaggregation_mode})"
+        ),
+    ),
+    Rule(
+        "ec_storage_path",
+        lambda s: s.ec_storage_path is not None and not _vllm_encoder(s),
+        lambda s: (
+            "unset (only a vLLM encoder's canary writes there: SIDECAR_BACKEND=vllm, "
+            "SIDECAR_DISAGGREGATION_MODE=encode, SIDECAR_MODEL_TYPE=multimodal over http)"
         ),
     ),
     Rule(

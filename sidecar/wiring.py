@@ -41,6 +41,7 @@ from sidecar.probes.transfer import TransferProbe
 from sidecar.probes.units import unit_specs
 from sidecar.runtime.engine import CHECK_CONNECTIONS, EngineClient
 from sidecar.runtime.health import Health
+from sidecar.runtime.leftovers import Leftovers, Offload, in_thread
 from sidecar.runtime.monitor import EngineParts, Monitor, Routes
 from sidecar.runtime.server import HttpServer, LoopThread, Servers, Sidecar, StartupError
 from sidecar.surface.app import create_app
@@ -115,7 +116,11 @@ def runtime_missing() -> str | None:
 
 
 def missing_for(settings: Settings) -> str | None:
-    """What the configuration needs that is not installed here, as one line; None if nothing."""
+    """What the configuration needs that this machine lacks (a package, a mounted directory), as
+    one line; None if nothing."""
+    storage = settings.ec_storage_path
+    if storage is not None and not Path(storage).is_dir():
+        return f"SIDECAR_EC_STORAGE_PATH={storage}: expected a directory here (it is not one)"
     if settings.transport is not Transport.DYNAMO:
         return None
     why = runtime_missing()
@@ -139,10 +144,12 @@ async def monitor_main(
     private_dir: str | None = None,
     connect: Connect | None = None,
     started: Callable[[Monitor], None] | None = None,
+    offload: Offload = in_thread,
 ) -> None:
     """Build the monitor's I/O parts on its own loop, run it until cancelled, then close them
     (each pushed on the stack as it is made: closed in the reverse order, the probes before the
-    clients they send through). ``started`` is told the monitor before it runs."""
+    clients they send through). ``started`` is told the monitor before it runs; ``offload`` runs
+    the file system's blocking calls (a thread; in tests, inline)."""
     plan = plans[next(iter(plans))]
     clients = _Clients(settings, health.clock, connect)
     async with contextlib.AsyncExitStack() as stack:
@@ -150,7 +157,7 @@ async def monitor_main(
         worker = None
         if settings.transport is Transport.DYNAMO:
             worker = await _dynamo_worker(settings, engine, plan, stack, health.clock, private_dir)
-        probes = _probes(settings, clients, stack, worker, health.clock)
+        probes = _probes(settings, clients, stack, worker, health.clock, offload)
         monitor = Monitor(
             health,
             EngineParts(engine, probes, worker, _grpc_registration(settings, stack, health.clock)),
@@ -199,14 +206,19 @@ def _probes(
     stack: contextlib.AsyncExitStack,
     worker: DynamoWorker | None,
     clock: Callable[[], float],
+    offload: Offload = in_thread,
 ) -> dict[ProbeKind, Probe]:
     """One probe per kind the configuration uses (sidecar.probes.kinds)."""
     timeout = settings.request_timeout
     # The canaries' own client, apart from the one that reads the engine's routes: hung canaries
     # (one per unit, however many ranks) never make a registration check or a read wait.
     canaries = clients.make(stack, settings.engine_url, timeout, connections=None)
+    sweeper = None
+    if settings.ec_storage_path is not None:
+        sweeper = Leftovers(Path(settings.ec_storage_path), clock=clock, offload=offload)
+        stack.push_async_callback(sweeper.aclose)  # after the probes: their last leftovers too
     probes: dict[ProbeKind, Probe] = {
-        ProbeKind.HTTP: HttpCanary(canaries, timeout=timeout, clock=clock)
+        ProbeKind.HTTP: HttpCanary(canaries, timeout=timeout, clock=clock, sweeper=sweeper)
     }
     if worker is not None:
         probes[ProbeKind.DYNAMO] = DynamoCanary(worker, timeout=timeout)

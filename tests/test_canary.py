@@ -95,7 +95,8 @@ def test_sglang_room_is_fresh_per_canary_and_decode_asks_two_tokens():
 @pytest.mark.parametrize(
     ("backend", "mode", "model_type", "enabled"),
     [
-        ("vllm", "encode", "multimodal", False),
+        ("vllm", "encode", "multimodal", True),  # the encoder's canary: a new image
+        ("vllm", "encode", "text", False),  # a text model's encoder: nothing to encode
         ("sglang", "encode", "multimodal", False),
         ("trtllm", "encode", "text", False),
         ("vllm", "decode", "multimodal", False),  # needs embedding_params: no safe probe

@@ -410,6 +410,11 @@ def kind_of(name: str) -> Kind | None:
             st.lists(SAFE_NAME, min_size=1, max_size=3).map(lambda p: "/" + "/".join(p)),
             parsed=lambda v: v,
         ),
+        "SIDECAR_EC_STORAGE_PATH": lambda: Kind(
+            SAFE_NAME,  # relative: the mount is named absolutely
+            st.lists(SAFE_NAME, min_size=1, max_size=3).map(lambda p: "/" + "/".join(p)),
+            parsed=lambda v: v,
+        ),
         "SIDECAR_DYNAMO_ENDPOINT": lambda: Kind(
             st.one_of(
                 st.lists(SAFE_NAME, min_size=2, max_size=2).map(".".join),
@@ -511,6 +516,10 @@ def test_valid_value_is_taken_as_given(
         "SIDECAR_DP_MIN_READY_RANKS": {"SIDECAR_DP_RANKS": "1024"},
         "SIDECAR_KV_PEER_URL": {"SIDECAR_DISAGGREGATION_MODE": "decode"},
         "SIDECAR_DYNAMO_ENDPOINT": {"SIDECAR_TRANSPORT": "dynamo"},
+        "SIDECAR_EC_STORAGE_PATH": {
+            "SIDECAR_DISAGGREGATION_MODE": "encode",
+            "SIDECAR_MODEL_TYPE": "multimodal",
+        },
     }.get(name, {})
     loaded = load(monkeypatch, **{name: value}, **needs)
     key, _ = field_of(name)

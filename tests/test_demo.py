@@ -298,8 +298,12 @@ def test_the_demo_says_its_timings_and_serves(monkeypatch: pytest.MonkeyPatch):
 def test_the_demo_says_when_no_canary_would_see_a_hang(monkeypatch: pytest.MonkeyPatch):
     env = demo_tool.DEMO_DEFAULTS | {
         "SIDECAR_DISAGGREGATION_MODE": "encode",
-        "SIDECAR_MODEL_TYPE": "multimodal",
+        "SIDECAR_MODEL_TYPE": "text",
     }
     said = demo_tool.timings(settings_from(monkeypatch, **env))
     assert "no canary" in said
     assert "a hang behind its 200 is not seen" in said
+    # An image encoder has its canary.
+    env["SIDECAR_MODEL_TYPE"] = "multimodal"
+    said = demo_tool.timings(settings_from(monkeypatch, **env))
+    assert "notready within 10 s of a hang" in said

@@ -132,7 +132,8 @@ def test_negative_control_canaries_off_stay_ready_through_a_hang():
 
 
 def test_encode_worker_without_canary_or_list_is_ready():
-    """Dynamo's E/P/D encode worker answered 503 for its whole life; this one is ready."""
+    """Dynamo's E/P/D encode worker answered 503 for its whole life; this one is ready (canaries
+    off: readiness follows registration)."""
     env = {
         "SIDECAR_BACKEND": "vllm",
         "SIDECAR_DISAGGREGATION_MODE": "encode",
@@ -161,7 +162,7 @@ def test_encode_worker_with_canaries_on_is_ready_on_registration():
             await side.wait_status(200, 5)
             assert await canaries(engine) == []
             _, body = await side.health_body()
-            assert "encode workers have no safe generation probe" in body["reason"]
+            assert "an encode worker of a text model" in body["reason"]
 
     run_virtually(main)
 

@@ -164,7 +164,7 @@ def test_gauges_without_counters_leave_the_decision_to_the_canary():
     run_virtually(main)
 
 
-# 5. An encode worker is never judged by progress --------------------------------------------------
+# 5. An encode worker without a canary is never judged by progress (a text model's) ---------------
 def profile(name: str) -> dict[str, str]:
     """A profile of config/, less the variables a test sets itself."""
     lines = (ROOT / "config" / name).read_text().splitlines()
@@ -172,8 +172,15 @@ def profile(name: str) -> dict[str, str]:
     return {k: v for k, v in pairs if k not in ("DYN_SYSTEM_PORT", "SIDECAR_ENGINE_URL")}
 
 
-def test_the_encode_profile_with_a_stuck_request_stays_ready_and_live():
-    env = profile("vllm-encode.env") | {"SIDECAR_ENGINE_URL": URL, "SIDECAR_LIVENESS_WINDOW": "2"}
+def test_an_encode_worker_without_a_canary_and_a_stuck_request_stays_ready_and_live():
+    """A text model's encode worker gets no canary (tests/test_encode.py has the image
+    encoder's): its metrics are not even read, so a stuck request cannot make it stalled."""
+    env = profile("vllm-encode.env") | {
+        "SIDECAR_ENGINE_URL": URL,
+        "SIDECAR_LIVENESS_WINDOW": "2",
+        "SIDECAR_MODEL_TYPE": "text",
+    }
+    del env["SIDECAR_EC_STORAGE_PATH"]  # only an image encoder's canary writes there
 
     async def main() -> None:
         engine = EngineLink("vllm", "encode", served=True)

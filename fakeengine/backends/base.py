@@ -339,6 +339,7 @@ class Backend:
             return await self.state.generate_all(job)
         finally:
             watcher.cancel()
+            await asyncio.gather(watcher, return_exceptions=True)
 
     # ----------------------------------------------------------------------- OpenAI routes
 

@@ -3,6 +3,14 @@
 With ``--dev-mode`` (vLLM's ``VLLM_SERVER_DEV_MODE=1``) it also serves the sleep-mode routes:
 ``POST /sleep?level=1&mode=abort``, ``POST /wake_up``, ``GET /is_sleeping``.
 
+In ``--mode encode`` it is vLLM's disaggregated encoder (``ec_role`` ``ec_producer``): a chat
+completion's images are encoded (a prefill of their tokens, under the same faults as any
+generation) and each is named in the answer's ``ec_transfer_params`` by its hash (the content
+part's ``uuid`` when given, as vLLM takes it); no token is generated. An image already encoded
+is served from the encoder cache: answered at once, nothing encoded, nothing written. With
+``--ec-storage-path DIR`` each encoded item is written as ECExampleConnector writes it,
+``DIR/<hash>/encoder_cache.safetensors``. A request with no image answers 200, empty.
+
 With ``--dp-size N`` it runs N data-parallel ranks, as ``--data-parallel-size N`` does: every
 ``vllm:*`` series once per rank, labelled ``engine="<rank>"`` (``engine="0"`` alone with one
 rank), the ``X-data-parallel-rank`` header pinning a request to a rank.
@@ -14,8 +22,13 @@ with the EngineCore frozen: 5 timed-out canaries, none computed after SIGCONT).
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import math
+import struct
+import time
+from pathlib import Path
 from typing import Any, ClassVar
 
 from fastapi import FastAPI, Request
@@ -30,7 +43,7 @@ from pydantic import BaseModel
 
 from fakeengine.backends.base import Backend, new_id
 from fakeengine.responses import ApiError, RankOutOfRange, json_response, status_type
-from fakeengine.schemas import OpenAIRequest
+from fakeengine.schemas import ChatRequest, OpenAIRequest
 from fakeengine.state import EngineState, Job, PauseMode, RankStats
 
 logger = logging.getLogger(__name__)
@@ -53,6 +66,28 @@ FINISHED_REASONS = ("stop", "length", "abort", "error", "repetition")
 RANK_HEADER = "X-data-parallel-rank"
 
 FamilyType = type[GaugeMetricFamily] | type[CounterMetricFamily]
+#: Tokens one image becomes (the tiny Llava's: a 56-pixel image in patches of 14).
+IMAGE_TOKENS = 16
+#: ECExampleConnector's file for one encoded item, and the tensor it holds (tokens x hidden).
+EC_CACHE_FILE = "encoder_cache.safetensors"
+EC_HIDDEN = 128
+
+
+def image_hash(part: dict[str, Any]) -> str:
+    """An image item's hash: its ``uuid`` when given (vLLM uses it as is), else its content's."""
+    uuid = part.get("uuid")
+    if isinstance(uuid, str) and uuid:
+        return uuid
+    return hashlib.sha256(json.dumps(part, sort_keys=True).encode()).hexdigest()
+
+
+def safetensors_bytes(rows: int, columns: int) -> bytes:
+    """A float32 zero tensor ``encoder_cache`` in the safetensors format."""
+    size = rows * columns * 4
+    header = json.dumps(
+        {"encoder_cache": {"dtype": "F32", "shape": [rows, columns], "data_offsets": [0, size]}}
+    ).encode()
+    return struct.pack("<Q", len(header)) + header + bytes(size)
 
 
 def _with(labels: dict[str, str], **extra: str) -> dict[str, str]:
@@ -92,6 +127,67 @@ class VllmBackend(Backend):
         super().__init__(state)
         self.engine_id = new_id()
         self._frozen: list[Metric] | None = None
+        self.encoded: set[str] = set()  # the encoder cache (encode mode): hashes encoded
+
+    async def chat_completions(self, request: Request) -> Response:
+        if self.config.mode != "encode":
+            return await super().chat_completions(request)
+        return await self.encode(request)
+
+    async def encode(self, request: Request) -> Response:
+        """The encoder's answer: every new image encoded, each named with its hash."""
+        req = self.parse(ChatRequest, await self.read_generation(request))
+        self.check_model(req.model)
+        items = req.media_items()
+        hashes = [image_hash(part) for part in items]
+        new = [h for h in dict.fromkeys(hashes) if h not in self.encoded]
+        job = Job(
+            request_id=req.request_id or new_id(),
+            prompt_tokens=IMAGE_TOKENS * len(new) + 1,
+            max_tokens=0,
+        )
+        self.assign_rank(job, request, req)
+        if new:
+            await self.generate_watched(request, job)
+            if job.finish_reason == "abort":
+                raise ApiError(500, GENERATION_ERROR)
+            self.encoded.update(new)
+            self._store(new)
+        body: dict[str, Any] = {
+            "id": "chatcmpl-" + job.request_id,
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": self.config.model,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": ""},
+                    "finish_reason": "stop",
+                    "logprobs": None,
+                }
+            ],
+            "usage": {
+                "prompt_tokens": job.prompt_tokens,
+                "completion_tokens": 0,
+                "total_tokens": job.prompt_tokens,
+            },
+        }
+        if hashes:
+            body["ec_transfer_params"] = {
+                h: {"item_indices": [i], "metadata": {"num_tokens": IMAGE_TOKENS}}
+                for i, h in enumerate(hashes)
+            }
+        return self.finish(body)
+
+    def _store(self, hashes: list[str]) -> None:
+        """ECExampleConnector's save: one file per encoded item under the storage path."""
+        root = self.config.ec_storage_path
+        if root is None:
+            return
+        for h in hashes:
+            folder = Path(root) / h
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / EC_CACHE_FILE).write_bytes(safetensors_bytes(IMAGE_TOKENS, EC_HIDDEN))
 
     def notice_delay(self, elapsed: float) -> float | None:
         """vLLM's API server aborts a request as soon as its client disconnects."""

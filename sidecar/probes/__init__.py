@@ -4,6 +4,8 @@ endpoint's canary.
 Where is a decode canary built? In the backend's module, method ``body``: over the engine's HTTP
 API ``vllm.py``, ``sglang.py``, ``trtllm.py`` or ``openai.py``; over Dynamo's request plane
 (SIDECAR_TRANSPORT=dynamo) ``dynamo/vllm.py``, ``dynamo/sglang.py`` or ``dynamo/trtllm.py``.
+An image encoder's canary is its backend's encoder prober, beside it (``vllm.py``:
+``VllmEncoderProber``), with its image made in ``image.py``.
 How is its answer judged? ``judge.py``. How is it sent and stopped? ``http.py`` and
 ``dynamo/canary.py``, one probe per kind (``kinds.py``).
 """
@@ -23,7 +25,7 @@ from sidecar.probes.role import Backend, Mode, ModelType, Role, Transport
 from sidecar.probes.sglang import SglangProber
 from sidecar.probes.transfer import PATH
 from sidecar.probes.trtllm import TrtllmProber
-from sidecar.probes.vllm import VllmProber
+from sidecar.probes.vllm import VllmEncoderProber, VllmProber
 
 __all__ = [
     "Backend",
@@ -58,6 +60,11 @@ class CanaryConfig:
     bootstrap_port: int = 8998  # SIDECAR_SGLANG_BOOTSTRAP_PORT
 
 
+#: The role whose canary goes to an image encoder (SIDECAR_DISAGGREGATION_MODE=encode with
+#: SIDECAR_MODEL_TYPE=multimodal).
+ENCODER = Role(Mode.ENCODE, ModelType.MULTIMODAL)
+
+
 def prober_for(config: CanaryConfig) -> Prober:
     if config.transport is Transport.DYNAMO:
         endpoint = config.dynamo_endpoint or GENERATE
@@ -71,6 +78,8 @@ def prober_for(config: CanaryConfig) -> Prober:
             case Backend.OPENAI:  # refused by the configuration's checks
                 raise ValueError("no Dynamo worker speaks the openai backend")
     match config.backend:
+        case Backend.VLLM if config.role == ENCODER:
+            return VllmEncoderProber()
         case Backend.VLLM:
             return VllmProber()
         case Backend.SGLANG:

@@ -18,7 +18,7 @@ from sidecar.core.evidence.progress import (
     Series,
 )
 from sidecar.core.evidence.transfers import TransferSpec
-from sidecar.probes.role import Backend, Mode, Role, Transport
+from sidecar.probes.role import Backend, Mode, ModelType, Role, Transport
 
 
 class ProbeKind(StrEnum):
@@ -105,13 +105,22 @@ class Prober:
     # with no abort to send, ``keeps_abandoned``: the probe keeps waiting for the one it sent and
     # sends no other while it runs (llama.cpp's llama-server), so at most one is ever there.
     keeps_abandoned: ClassVar[bool] = False
+    # What a canary causes the engine to write and the sidecar removes (:meth:`leftovers`), in
+    # words; None where a canary leaves nothing.
+    leaves: ClassVar[str | None] = None
 
     def skip_reason(self, role: Role) -> str | None:
         """Why this role gets no built-in canary, or None when it gets one."""
+        if role.mode is Mode.ENCODE and role.model_type is ModelType.TEXT:
+            return (
+                "an encode worker of a text model (SIDECAR_MODEL_TYPE=text) has no image to "
+                "encode, so no canary reaches an encoder; readiness follows registration (set "
+                "SIDECAR_MODEL_TYPE=multimodal for an image encoder's canary)"
+            )
         if role.mode is Mode.ENCODE:
             return (
-                "encode workers have no safe generation probe; readiness follows registration "
-                "(set DYN_HEALTH_CHECK_PAYLOAD to give them a canary)"
+                f"no encode canary is known for {self.backend} over {self.transport}; "
+                "readiness follows registration (set DYN_HEALTH_CHECK_PAYLOAD to give it one)"
             )
         return None
 
@@ -122,6 +131,11 @@ class Prober:
     def body(self, role: Role, model: str | None, request_id: str) -> tuple[dict[str, Any], int]:
         """The built-in canary body for this role and the number of tokens it must generate."""
         raise NotImplementedError
+
+    def good_answer(self, role: Role) -> str:
+        """What :meth:`problem` wants of the answer to this role's body, in words."""
+        _, tokens = self.body(role, None, "x")
+        return f"a finish reason and {tokens} generated token(s) where the engine reports them"
 
     def problem(self, answer: Any, expected_tokens: int | None) -> str | None:
         """What is wrong with a 200 answer's parsed JSON body, or None when it is well formed."""
@@ -135,6 +149,13 @@ class Prober:
         """The engine's own abort of this canary, sent right after it timed out; None where
         closing the connection stops it (or nothing can)."""
         return None
+
+    def leftovers(self, request: CanaryRequest, answer: Any) -> tuple[str, ...]:
+        """Files this canary caused the engine to write that the sidecar removes, relative to the
+        directory they are written under (SIDECAR_EC_STORAGE_PATH): from the answer's parsed
+        JSON, or, with none (``answer`` None: the canary timed out or failed), what it may
+        still cause to be written. Only an encoder's canary leaves any."""
+        return ()
 
     def stamped(self, role: Role, payload: dict[str, Any]) -> dict[str, Any]:
         """A user's DYN_HEALTH_CHECK_PAYLOAD as it goes out (over HTTP: verbatim)."""
@@ -234,6 +255,11 @@ class CanaryPlan:
         """A user's payload has no known answer to check."""
         return None if self.override is not None else self.prober.answer(parsed, self.role)
 
+    def leftovers(self, request: CanaryRequest, answer: Any) -> tuple[str, ...]:
+        """What this canary caused to be written (:meth:`Prober.leftovers`); a user's payload:
+        nothing known."""
+        return () if self.override is not None else self.prober.leftovers(request, answer)
+
     def cost(self, request: CanaryRequest) -> CanaryCost:
         """A user's payload may move any token counter: only completed requests beyond its own
         then count as other work."""
@@ -242,7 +268,8 @@ class CanaryPlan:
         return self.prober.cost(request.expected_tokens)
 
 
-def _error_text(answer: dict[str, Any]) -> str | None:
+def body_error(answer: dict[str, Any]) -> str | None:
+    """The error an OpenAI-style JSON body carries, or None."""
     error = answer.get("error")
     if error is None or error == {}:
         return None
@@ -258,7 +285,7 @@ def completion_problem(
     number of generated tokens (exactly ``expected_tokens`` when ``exact``, else at most)."""
     if not isinstance(answer, dict):
         return "body is not a JSON object"
-    if (err := _error_text(answer)) is not None:
+    if (err := body_error(answer)) is not None:
         return f"engine error in body: {err}"
     choices = answer.get("choices")
     if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
@@ -283,7 +310,7 @@ def generic_problem(answer: Any) -> str | None:
     wherever the engine's answer shape has one."""
     if not isinstance(answer, dict):
         return "body is not a JSON object"
-    if (err := _error_text(answer)) is not None:
+    if (err := body_error(answer)) is not None:
         return f"engine error in body: {err}"
     if "choices" in answer:
         return completion_problem(answer, None, exact=False)

@@ -10,6 +10,7 @@ never raises for what the engine does: no answer is a :class:`NoAnswer` with its
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -88,3 +89,21 @@ def error_text(body: bytes) -> str:
     if not text:
         return "(empty body)"
     return text[:ERROR_TEXT_CHARS] + ("..." if len(text) > ERROR_TEXT_CHARS else "")
+
+
+class Sweeper(Protocol):
+    """Removes what canaries caused the engine to write (``sidecar/runtime/leftovers.py``)."""
+
+    async def remove(self, names: Sequence[str], *, later: bool) -> None:
+        """Remove ``names``; with ``later``, also when they appear afterwards."""
+        ...
+
+
+def parsed_json(answer: Answer | Streamed | NoAnswer) -> Any:
+    """A 200 JSON answer's parsed body, or None."""
+    if not isinstance(answer, Answer) or answer.status != 200:
+        return None
+    try:
+        return json.loads(answer.body)
+    except ValueError:
+        return None

@@ -9,6 +9,10 @@ prober's, measured on each real engine: docs/concepts/backends.md):
 - closing the connection, which the engine client does on the deadline (vLLM aborts the request);
 - the engine's own abort (``Prober.abort``: SGLang's ``/abort_request`` by ``rid``), sent right
   after the timeout with a short deadline of its own; what it answers is logged, never raised;
+- removing what it caused the engine to write, where there is any and the sidecar can reach it
+  (an encoder's cache entry for the canary's image: ``Prober.leftovers``, removed by the
+  sweeper, ``sidecar/runtime/leftovers.py``): at once when an answer came, else when it
+  appears;
 - nothing, where the engine computes an abandoned request and has no abort
   (``Prober.keeps_abandoned``: llama-server frozen whole): the probe keeps the timed-out canary
   waiting on its connection and, while it runs and the engine's registration route does not
@@ -27,7 +31,7 @@ from dataclasses import replace
 
 from sidecar.core.evidence.result import Outcome, Result
 from sidecar.probes.base import CanaryPlan, CanaryRequest
-from sidecar.probes.exchange import Channel, NoAnswer
+from sidecar.probes.exchange import Channel, NoAnswer, Received, Sweeper, parsed_json
 from sidecar.probes.judge import judge
 
 #: The abort's own deadline: short, since it is sent to an engine that just failed to answer.
@@ -45,8 +49,10 @@ class HttpCanary:
         timeout: float,
         clock: Callable[[], float] = time.monotonic,
         abort_timeout: float = ABORT_TIMEOUT,
+        sweeper: Sweeper | None = None,
     ) -> None:
         self.channel = channel
+        self.sweeper = sweeper
         self.timeout = timeout
         self.clock = clock
         self.abort_timeout = abort_timeout
@@ -65,17 +71,32 @@ class HttpCanary:
     async def __call__(self, plan: CanaryPlan, request: CanaryRequest, model: str | None) -> Result:
         if plan.prober.keeps_abandoned:
             return await self._kept_canary(plan, request)
-        result = await self._send(plan, request, self.timeout)
+        received = await self.channel.send(request, self.timeout)
+        result = self._judged(plan, request, received)
         if result.outcome is Outcome.TIMEOUT:
             said = await self._abort(plan, request)
             if said:
                 result = replace(result, reason=f"{result.reason}; {said}")
+        await self._sweep(plan, request, received)
         return result
 
-    async def _send(self, plan: CanaryPlan, request: CanaryRequest, deadline: float) -> Result:
-        """Send and judge; every reason scrubbed of the secrets the channel sends."""
-        result = judge(plan, request, await self.channel.send(request, deadline))
+    def _judged(self, plan: CanaryPlan, request: CanaryRequest, received: Received) -> Result:
+        """The judgement, its reason scrubbed of the secrets the channel sends."""
+        result = judge(plan, request, received)
         return replace(result, reason=self.channel.redact(result.reason))
+
+    async def _send(self, plan: CanaryPlan, request: CanaryRequest, deadline: float) -> Result:
+        return self._judged(plan, request, await self.channel.send(request, deadline))
+
+    async def _sweep(self, plan: CanaryPlan, request: CanaryRequest, received: Received) -> None:
+        """Remove what the canary caused the engine to write: what its answer names, or, with no
+        answer, what it may still cause to be written when the engine resumes."""
+        if self.sweeper is None:
+            return
+        no_answer = isinstance(received.answer, NoAnswer)
+        names = plan.leftovers(request, parsed_json(received.answer))
+        if names:
+            await self.sweeper.remove(names, later=no_answer)
 
     async def _abort(self, plan: CanaryPlan, request: CanaryRequest) -> str | None:
         """Send the engine's abort of a timed-out canary, where it has one, and say how it went

@@ -22,23 +22,32 @@ def _example_body(plan: CanaryPlan, settings: Settings) -> dict[str, Any]:
     body = dict(request.body)
     if "bootstrap_room" in body:
         body["bootstrap_room"] = "<fresh per canary>"
-    return body
+    return _short(body)
+
+
+def _short(value: Any) -> Any:
+    """``value`` with each inline image (a ``data:`` URL) named instead of shown."""
+    if isinstance(value, dict):
+        return {key: _short(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_short(item) for item in value]
+    if isinstance(value, str) and value.startswith("data:") and "," in value:
+        kind = value[len("data:") : value.index(",")]
+        return f"data:{kind},<{len(value) - len(kind) - 6} characters: a new image per canary>"
+    return value
 
 
 def _passes_when(plan: CanaryPlan, settings: Settings) -> str:
+    timeout = settings.request_timeout
     if settings.transport is Transport.DYNAMO:
-        whole = f"the whole stream ends within {settings.request_timeout:g} s"
+        whole = f"the whole stream ends within {timeout:g} s"
         if plan.override is not None:
             return whole + ", without an error, with a finish reason on its last chunk"
-        _, tokens = plan.prober.body(plan.role, settings.model, "x")
-        return whole + f", with {tokens} token(s) and finish reason 'length'"
-    whole = f"the whole answer arrives within {settings.request_timeout:g} s with HTTP 200 and JSON"
+        return f"{whole}, {plan.prober.good_answer(plan.role)}"
+    whole = f"the whole answer arrives within {timeout:g} s with HTTP 200 and JSON"
     if plan.override is not None:
         return whole + ", without an error, with a finish reason where the answer has one"
-    _, tokens = plan.prober.body(plan.role, settings.model, "x")
-    return (
-        whole + f", a finish reason and {tokens} generated token(s) where the engine reports them"
-    )
+    return f"{whole}, {plan.prober.good_answer(plan.role)}"
 
 
 def _progress_lines(plan: CanaryPlan, s: Settings) -> list[str]:
@@ -288,6 +297,18 @@ def _engine_lines(plan: CanaryPlan, s: Settings) -> list[str]:
     return [*lines, f"registration   {check} {every}: registered while it answers {answer}"]
 
 
+def _leftover_lines(plan: CanaryPlan, s: Settings) -> list[str]:
+    leaves = plan.prober.leaves
+    if leaves is None or plan.override is not None:
+        return []
+    if s.ec_storage_path is None:
+        return [f"  leftovers    {leaves}: left there (SIDECAR_EC_STORAGE_PATH unset)"]
+    return [
+        f"  leftovers    {leaves}: removed from {s.ec_storage_path} after each canary, and a "
+        "timed-out canary's once it appears"
+    ]
+
+
 def _canary_lines(plan: CanaryPlan, s: Settings) -> list[str]:
     """The endpoint's canary: what is sent, when it passes, its schedule and hysteresis."""
     if s.model:
@@ -324,6 +345,7 @@ def _canary_lines(plan: CanaryPlan, s: Settings) -> list[str]:
         f"  model        {model}",
         *request,
         f"  passes when  {_passes_when(plan, s)}",
+        *_leftover_lines(plan, s),
         f"  schedule     once registered; then after {s.canary_wait_time:g} s without a passed "
         f"canary; every {s.retry_interval:g} s while failing or unproven; one at a time",
         f"  hysteresis   notready after {s.failure_threshold} consecutive failure(s); ready "

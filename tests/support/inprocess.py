@@ -422,7 +422,12 @@ async def running(
     def connect(url: str) -> httpx.AsyncBaseTransport:
         return engines[url]
 
-    monitor = asyncio.create_task(monitor_main(settings, health, plans, connect=connect))
+    async def inline(call: Callable[[], None]) -> None:
+        call()  # the file system's calls (canary leftovers) on the loop: no thread, no real wait
+
+    monitor = asyncio.create_task(
+        monitor_main(settings, health, plans, connect=connect, offload=inline)
+    )
     http = httpx.AsyncClient(transport=httpx.ASGITransport(app=surface.app), base_url="http://side")
     side = InProcessSidecar(settings, health, surface, engines, http)
     health.subscribe(side.hear)

@@ -126,6 +126,10 @@ class DynamoProber(Prober):
         """The endpoint the canary goes to (its instance is found at run time)."""
         return self.endpoint
 
+    def good_answer(self, role: Role) -> str:
+        _, tokens = self.body(role, None, "x")
+        return f"with {tokens} token(s) and finish reason 'length'"
+
     def problem(self, answer: Any, expected_tokens: int | None) -> str | None:
         return stream_problem(answer, expected_tokens)
 

@@ -1,0 +1,378 @@
+"""The encode worker's canary, in-process on a virtual clock against the fake vLLM encoder
+(``ec_role`` ``ec_producer``; tests/support/inprocess.py): a new image per canary, the answer
+judged whole, a hung encoder behind a 200 /health found within wait + timeout, the connector's
+files of each canary removed and nobody else's, and a text model's encode role without a canary.
+
+The real encoders are in tests/test_vllm_encode.py (engine tier).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sidecar.core.evidence.result import Outcome
+from sidecar.probes import CanaryConfig, plan_canary
+from sidecar.probes.exchange import Answer, NoAnswer, Received
+from sidecar.probes.image import data_url, fresh_png
+from sidecar.probes.judge import judge
+from sidecar.probes.role import Backend, Mode, ModelType, Role
+from sidecar.runtime.leftovers import Leftovers
+from tests.support.inprocess import EngineLink, run_virtually, running, until
+
+pytestmark = pytest.mark.unit
+
+URL = "http://engine:8000"
+WAIT, TIMEOUT = 1.0, 0.5
+ENCODER = {
+    "DYN_HEALTH_CHECK_ENABLED": "true",
+    "SIDECAR_ENGINE_URL": URL,
+    "SIDECAR_BACKEND": "vllm",
+    "SIDECAR_DISAGGREGATION_MODE": "encode",
+    "SIDECAR_MODEL_TYPE": "multimodal",
+}
+CACHE_FILE = "encoder_cache.safetensors"
+
+
+def encoder_plan():
+    role = Role(Mode.ENCODE, ModelType.MULTIMODAL)
+    return plan_canary(CanaryConfig(Backend.VLLM, role, enabled=True))
+
+
+async def canaries(engine: EngineLink) -> list[dict[str, Any]]:
+    return [r for r in await engine.requests() if r["path"] == "/v1/chat/completions"]
+
+
+def image_of(request: dict[str, Any]) -> str:
+    (message,) = request["json"]["messages"]
+    (part,) = message["content"]
+    assert part["type"] == "image_url"
+    return part["image_url"]["url"]
+
+
+# --- the image and the request -----------------------------------------------------------------
+
+
+def test_the_image_is_a_png_new_for_every_request_id():
+    a, b = fresh_png("canary-a"), fresh_png("canary-b")
+    assert a.startswith(b"\x89PNG\r\n\x1a\n")
+    assert b"IHDR" in a
+    assert a.endswith(b"IEND\xaeB`\x82")
+    assert a != b
+    assert fresh_png("canary-a") == a  # rebuilt from a logged request id
+    assert data_url(a).startswith("data:image/png;base64,iVBORw0KGgo")
+
+
+def test_the_image_decodes_to_its_pixels():
+    """A reader of PNGs gets back the 32 x 32 RGB pixels (zlib, one filter byte per row)."""
+    import struct
+    import zlib
+
+    png = fresh_png("canary-x")
+    width, height, depth, colour = struct.unpack(">IIBB", png[16:26])
+    assert (width, height, depth, colour) == (32, 32, 8, 2)
+    start = png.index(b"IDAT") + 4
+    length = struct.unpack(">I", png[start - 8 : start - 4])[0]
+    raw = zlib.decompress(png[start : start + length])
+    assert len(raw) == 32 * (1 + 32 * 3)
+    assert all(raw[row * 97] == 0 for row in range(32))
+
+
+def test_the_request_is_what_vllms_encoder_proxy_sends():
+    plan = encoder_plan()
+    assert plan.enabled
+    assert plan.path == "/v1/chat/completions"
+    request = plan.request("tiny", "canary-1")
+    body = request.body
+    assert body["model"] == "tiny"
+    assert body["max_tokens"] == 1
+    assert body["stream"] is False
+    (message,) = body["messages"]
+    assert message["role"] == "user"
+    (part,) = message["content"]  # just the image: no text
+    assert part["uuid"] == "canary-1"
+    assert part["image_url"]["url"] == data_url(fresh_png("canary-1"))
+    assert plan.request("tiny", "canary-2").body != body
+
+
+def encoded(*names: str, **extra: Any) -> dict[str, Any]:
+    items = {name: {"item_indices": [i], "metadata": {}} for i, name in enumerate(names)}
+    return {
+        "choices": [{"index": 0, "message": {"content": ""}, "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": 17, "completion_tokens": 0},
+        "ec_transfer_params": items,
+    } | extra
+
+
+@pytest.mark.parametrize(
+    ("answer", "outcome", "reason"),
+    [
+        (encoded("canary-1"), Outcome.SUCCESS, "complete, well-formed answer"),
+        (encoded(), Outcome.INVALID, "no ec_transfer_params in body: nothing was encoded"),
+        (
+            {"choices": [{"finish_reason": "stop"}]},
+            Outcome.INVALID,
+            "no ec_transfer_params in body: nothing was encoded",
+        ),
+        (
+            encoded("a", "b"),
+            Outcome.INVALID,
+            "ec_transfer_params names 2 items, expected exactly 1",
+        ),
+        (
+            {"ec_transfer_params": {"a": {"item_indices": [1]}}},
+            Outcome.INVALID,
+            "ec_transfer_params' item has no item_indices [0]",
+        ),
+        (
+            encoded("a", error={"message": "boom"}),
+            Outcome.INVALID,
+            "engine error in body: boom",
+        ),
+    ],
+)
+def test_a_pass_needs_exactly_one_encoded_item(answer, outcome, reason):
+    import json
+
+    plan = encoder_plan()
+    request = plan.request("tiny", "canary-1")
+    received = Received(Answer(200, "application/json", json.dumps(answer).encode()), 0, 1, 1)
+    result = judge(plan, request, received)
+    assert (result.outcome, result.reason) == (outcome, reason)
+
+
+def test_what_a_canary_leaves_is_named_by_its_answer_or_its_id():
+    plan = encoder_plan()
+    request = plan.request("tiny", "canary-1")
+    assert plan.leftovers(request, encoded("abc123")) == (f"abc123/{CACHE_FILE}",)
+    assert plan.leftovers(request, None) == (f"canary-1/{CACHE_FILE}",)
+    # A name from the engine is only ever one plain path component.
+    assert plan.leftovers(request, encoded("../../etc")) == ()
+    assert plan.leftovers(request, encoded("a/b")) == ()
+
+
+# --- the whole sidecar, in-process -------------------------------------------------------------
+
+
+def test_the_encoder_goes_ready_and_each_canary_sends_a_new_image(tmp_path):
+    async def main() -> None:
+        engine = EngineLink("vllm", "encode", ec_storage_path=str(tmp_path))
+        env = ENCODER | {"SIDECAR_EC_STORAGE_PATH": str(tmp_path)}
+        async with running(env, {URL: engine}) as side:
+            await side.wait_status(200, 5)
+            _, body = await side.health_body()
+            assert body["checks"]["generate"]["last_canary"]["outcome"] == "success"
+
+            async def three() -> bool:
+                return len(await canaries(engine)) >= 3
+
+            await until(three, 3 * WAIT + 1, 0.01, "three canaries")
+            images = [image_of(r) for r in await canaries(engine)]
+            assert len(set(images)) == len(images)
+            assert (await side.get("/health")).status_code == 200
+
+    run_virtually(main)
+
+
+def test_each_canary_item_is_removed_and_no_other(tmp_path):
+    """The connector's file of every canary is gone once its answer came; a user's image,
+    encoded by the same encoder, stays."""
+
+    async def main() -> None:
+        engine = EngineLink("vllm", "encode", ec_storage_path=str(tmp_path))
+        env = ENCODER | {"SIDECAR_EC_STORAGE_PATH": str(tmp_path)}
+        async with running(env, {URL: engine}) as side:
+            await side.wait_status(200, 5)
+            user = {"type": "image_url", "image_url": {"url": data_url(fresh_png("user"))}}
+            user["uuid"] = "users-image"
+            body = {"messages": [{"role": "user", "content": [user]}], "max_tokens": 1}
+            answer = await engine.admin.post("/v1/chat/completions", json=body)
+            assert answer.json()["ec_transfer_params"] == {
+                "users-image": {"item_indices": [0], "metadata": {"num_tokens": 16}}
+            }
+
+            async def three() -> bool:
+                return len(await canaries(engine)) >= 3
+
+            await until(three, 3 * WAIT + 1, 0.01, "three canaries")
+            await side.wait_status(200, 1)
+        # Every canary's entry removed, the user's kept.
+        assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == [
+            "users-image",
+            f"users-image/{CACHE_FILE}",
+        ]
+
+    run_virtually(main)
+
+
+def test_a_repeated_image_proves_nothing():
+    """Why every canary's image is new: an image the encoder has seen is answered from its cache,
+    200 with its item named, while the encoder itself is hung."""
+
+    async def main() -> None:
+        engine = EngineLink("vllm", "encode")
+        part = {"type": "image_url", "image_url": {"url": data_url(fresh_png("same"))}}
+        body = {"messages": [{"role": "user", "content": [part]}], "max_tokens": 1}
+        first = await engine.admin.post("/v1/chat/completions", json=body)
+        assert first.status_code == 200
+        await engine.fault(hang_generation=True)
+        again = await engine.admin.post("/v1/chat/completions", json=body, timeout=1)
+        assert again.status_code == 200
+        assert again.json()["ec_transfer_params"] == first.json()["ec_transfer_params"]
+        await engine.aclose()
+
+    run_virtually(main)
+
+
+def test_a_hung_encoder_is_notready_within_wait_plus_timeout_while_its_health_says_200():
+    async def main() -> None:
+        engine = EngineLink("vllm", "encode")
+        async with running(ENCODER, {URL: engine}) as side:
+            await side.wait_status(200, 5)
+            await engine.fault(hang_generation=True)
+            took = await side.wait_status(503, WAIT + 2 * TIMEOUT + 1.0 + 0.05)
+            assert took <= WAIT + TIMEOUT + 1.0 + TIMEOUT + 0.05  # two failures, one retry apart
+            assert (await engine.admin.get("/health")).status_code == 200
+            _, body = await side.health_body()
+            assert "canary timeout" in body["reason"]
+            await engine.fault(hang_generation=False)
+            await side.wait_status(200, 1.0 + TIMEOUT + 0.05)
+
+    run_virtually(main)
+
+
+def test_a_text_models_encode_role_keeps_the_old_rule_and_says_why():
+    env = ENCODER | {"SIDECAR_MODEL_TYPE": "text"}
+
+    async def main() -> None:
+        engine = EngineLink("vllm", "encode")
+        async with running(env, {URL: engine}) as side:
+            await side.wait_status(200, 5)
+            assert await canaries(engine) == []
+            _, body = await side.health_body()
+            assert body["checks"]["generate"]["canary"] == "disabled"
+            assert "an encode worker of a text model" in body["reason"]
+
+    run_virtually(main)
+
+
+# --- removing what a canary left -----------------------------------------------------------------
+
+
+async def _inline(call) -> None:
+    call()
+
+
+def _write(root: Path, name: str) -> Path:
+    path = root / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"x")
+    return path
+
+
+def test_a_timed_out_canarys_file_is_removed_when_it_appears(tmp_path):
+    now = [0.0]
+    sweeper = Leftovers(tmp_path, clock=lambda: now[0], offload=_inline, keep=60)
+
+    async def main() -> None:
+        await sweeper.remove([f"late/{CACHE_FILE}"], later=True)  # not written yet
+        assert sweeper.waiting == (f"late/{CACHE_FILE}",)
+        _write(tmp_path, f"late/{CACHE_FILE}")  # the engine resumed and wrote it
+        await sweeper.remove([], later=False)  # the next canary's round
+        assert not (tmp_path / "late").exists()
+        assert sweeper.waiting == ()
+
+    asyncio.run(main())
+
+
+def test_a_name_that_never_appears_is_given_up_after_keep(tmp_path):
+    now = [0.0]
+    sweeper = Leftovers(tmp_path, clock=lambda: now[0], offload=_inline, keep=60)
+
+    async def main() -> None:
+        await sweeper.remove([f"never/{CACHE_FILE}"], later=True)
+        now[0] = 59.0
+        await sweeper.remove([], later=False)
+        assert sweeper.waiting == (f"never/{CACHE_FILE}",)
+        now[0] = 61.0
+        await sweeper.remove([], later=False)
+        assert sweeper.waiting == ()
+
+    asyncio.run(main())
+
+
+def test_only_a_regular_file_under_the_root_is_removed(tmp_path):
+    root = tmp_path / "root"
+    root.mkdir()
+    outside = _write(tmp_path, "outside/keep")
+    (root / "link").symlink_to(outside.parent)
+    (root / "dirlink").mkdir()
+    (root / "dirlink" / CACHE_FILE).symlink_to(outside)
+    shared = _write(root, f"shared/{CACHE_FILE}")
+    _write(root, "shared/other")  # the engine's own: the folder stays
+    sweeper = Leftovers(root, offload=_inline)
+
+    async def main() -> None:
+        await sweeper.remove(
+            ["../outside/keep", "/etc/passwd", "link/keep", f"dirlink/{CACHE_FILE}"], later=False
+        )
+        await sweeper.remove([f"shared/{CACHE_FILE}"], later=False)
+
+    asyncio.run(main())
+    assert outside.exists()
+    assert (root / "dirlink" / CACHE_FILE).is_symlink()
+    assert not shared.exists()
+    assert (root / "shared" / "other").exists()
+    assert sweeper.removed == 1
+
+
+def test_a_stuck_removal_never_holds_the_canary_back(tmp_path):
+    """A hung mount: the removal's deadline passes, the canary goes on; while it is stuck no
+    other removal starts, and names to remove later are kept for the next round."""
+    release = asyncio.Event
+
+    async def main() -> None:
+        gate = release()
+
+        async def stuck(call) -> None:
+            await gate.wait()
+            call()
+
+        sweeper = Leftovers(tmp_path, offload=stuck, timeout=0.5)
+        await sweeper.remove([f"a/{CACHE_FILE}"], later=True)  # returns after its deadline
+        await sweeper.remove([f"b/{CACHE_FILE}"], later=True)  # skipped, kept waiting
+        assert f"b/{CACHE_FILE}" in sweeper.waiting
+        gate.set()
+        await asyncio.sleep(0)
+
+    from aiotools import VirtualClock
+
+    async def virtual() -> None:
+        with VirtualClock().patch_loop():
+            await main()
+
+    asyncio.run(virtual())
+
+
+def test_the_sidecar_refuses_to_start_without_its_storage_path(tmp_path):
+    from sidecar.config import Settings
+    from sidecar.wiring import missing_for
+
+    missing = tmp_path / "missing"
+    settings = Settings.model_validate(ENCODER | {"SIDECAR_EC_STORAGE_PATH": str(missing)})
+    assert missing_for(settings) == (
+        f"SIDECAR_EC_STORAGE_PATH={missing}: expected a directory here (it is not one)"
+    )
+    settings = Settings.model_validate(ENCODER | {"SIDECAR_EC_STORAGE_PATH": str(tmp_path)})
+    assert missing_for(settings) is None
+
+
+def test_no_answer_is_a_timeout_whose_file_may_come_later():
+    plan = encoder_plan()
+    request = plan.request("tiny", "canary-9")
+    received = Received(NoAnswer(Outcome.TIMEOUT, "no complete answer within 3 s"), 0, 3, 3)
+    assert judge(plan, request, received).outcome is Outcome.TIMEOUT
+    assert plan.leftovers(request, None) == (f"canary-9/{CACHE_FILE}",)
