@@ -20,7 +20,7 @@ from sidecar.core.evidence.progress import (
     series,
 )
 from sidecar.probes.base import Prober, Role, token_completion_body
-from sidecar.probes.role import Backend, Mode
+from sidecar.probes.role import Backend, Mode, ModelType
 
 LOCAL_PREFILL_AND_DECODE = {"request_type": "context_and_generation"}
 
@@ -43,6 +43,16 @@ class TrtllmProber(Prober):
             COMPLETED: series("trtllm_request_success_total", "request_success_total"),
         },
     )
+
+    def skip_reason(self, role: Role) -> str | None:
+        if role == Role(Mode.ENCODE, ModelType.MULTIMODAL):
+            return (
+                "TensorRT-LLM's encoder (trtllm-serve encoder, POST /v1/multimodal_encoder, "
+                "experimental) answers with CUDA IPC handles of the embeddings, kept for the "
+                "worker that reads them; a canary's would never be read, and when the encoder "
+                "frees them is not documented: no canary, readiness follows registration"
+            )
+        return super().skip_reason(role)
 
     def why(self, role: Role) -> str:
         if role.mode in (Mode.PREFILL, Mode.DECODE):
