@@ -11,6 +11,11 @@ A prefill or decode instance gets NIXL's KV connector on the CPU, UCX on ``lo``,
 side-channel port and the sitecustomize of ``VLLM_SITE_DIR`` (it calms NIXL's spinning progress
 thread, without which two instances starve each other on 2 cores).
 
+An encoder of vLLM's disaggregated encoding (:class:`VllmEncoder`: ``--ec-transfer-config`` with
+ECExampleConnector as ``ec_producer``) runs the tiny Llava (``VLLM_MM_MODEL_DIR``) with the site
+directory ``VLLM_MM_SITE_DIR`` on PYTHONPATH (torchvision for vLLM's Llava path) and writes each
+encoded image to ``<storage>/<item>/encoder_cache.safetensors``.
+
 Fault tolerance (``--enable-fault-tolerance``) runs only with external-LB data parallel, one API
 server per rank, which vLLM allows only for MoE models: :func:`ft_pair` starts two such ranks of
 the tiny Mixtral (``VLLM_MOE_MODEL_DIR``), with the sitecustomize's opt-in parts that complete MoE
@@ -257,6 +262,60 @@ def pd_pair() -> Iterator[tuple[VllmServer, VllmServer]]:
     finally:
         decode.stop()
         prefill.stop()
+
+
+# --- the encoder of disaggregated encoding (E/P/D) ---------------------------------------------
+EC_CACHE_FILE = "encoder_cache.safetensors"  # ECExampleConnector's file for one encoded item
+
+
+class VllmEncoder(VllmServer):
+    """An encoder (``ec_producer``) of the tiny Llava with ECExampleConnector, whose
+    ``shared_storage_path`` is ``storage``: each image it encodes becomes
+    ``storage/<item>/encoder_cache.safetensors``. ``--enforce-eager``, as vLLM's own encoder
+    examples start it (and sooner); the producer role alone makes it encoder-only."""
+
+    def __init__(self, storage: Path, *, env: dict[str, str] | None = None) -> None:
+        super().__init__(model="VLLM_MM_MODEL_DIR", env=env)
+        self.paths |= require("VLLM_MM_SITE_DIR")
+        self.storage = storage
+
+    @property
+    def name(self) -> str:
+        return "vllm-encoder"
+
+    def env(self) -> dict[str, str]:
+        env = super().env()
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (self.paths["VLLM_MM_SITE_DIR"], env.get("PYTHONPATH")) if p
+        )
+        return env
+
+    def argv(self) -> list[str]:
+        config = {
+            "ec_connector": "ECExampleConnector",
+            "ec_role": "ec_producer",
+            "ec_connector_extra_config": {"shared_storage_path": str(self.storage)},
+        }
+        return [*super().argv(), "--enforce-eager", "--ec-transfer-config", json.dumps(config)]
+
+    def chat(self, body: dict[str, Any], timeout: float = 30) -> httpx.Response:
+        return self.http.post(f"{self.url}/v1/chat/completions", json=body, timeout=timeout)
+
+    def stored(self) -> list[str]:
+        """Every file under the storage path, relative to it, sorted."""
+        return sorted(p.relative_to(self.storage).as_posix() for p in self.storage.rglob("*"))
+
+
+@contextlib.contextmanager
+def vllm_encoder(storage: Path) -> Iterator[VllmEncoder]:
+    """One started encoder writing under ``storage``, stopped on exit: wrap it in a
+    module-scoped fixture so a test module starts it once."""
+    server = VllmEncoder(storage)
+    try:
+        server.start()
+        yield server
+    finally:
+        server.stop()
 
 
 # --- fault tolerance --------------------------------------------------------------------------
