@@ -43,6 +43,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench._shared import code_version, counts, cpu_model, seconds
+from bench._versions import DEFAULT_SCRATCH, scratch
 from bench.baseline import DynamoCanaryLoop, Timeline
 from tests.support.engines import Dynamo, LlamaServer, engine_paths
 from tests.support.harness import ROOT, FakeEngine, Sidecar, base_env
@@ -1792,7 +1793,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = datetime.datetime.now(datetime.UTC)
     clock, load_before = now(), load_average()
     code = (code_version(), sidecar_digest())
-    with isolation(names):
+    # Everything the run and its engines write (logs, work directories, TMPDIR: vLLM's sockets)
+    # in one scratch directory beside the checkout, removed at the end: nothing lands in /tmp.
+    with scratch(DEFAULT_SCRATCH, "fault-matrix"), isolation(names):
         all_reps = asyncio.run(run_all(names, args.reps, random.Random(seed)))
     took = now() - clock
     print(markdown_table(table(all_reps)))

@@ -19,7 +19,7 @@ from sidecar.probes import CanaryConfig, plan_canary
 from sidecar.probes.exchange import Answer, NoAnswer, Received
 from sidecar.probes.image import data_url, fresh_png
 from sidecar.probes.judge import judge
-from sidecar.probes.role import Backend, Mode, ModelType, Role
+from sidecar.probes.role import Backend, Mode, ModelType, Role, Transport
 from sidecar.runtime.leftovers import Leftovers
 from tests.support.exposition import metric
 from tests.support.inprocess import EngineLink, run_virtually, running, until
@@ -298,6 +298,16 @@ def test_a_busy_encoder_is_not_hung():
             await until(passed, 2 * WAIT + TIMEOUT, 0.01, "a canary passed")
 
     run_virtually(main)
+
+
+@pytest.mark.parametrize("backend", [Backend.VLLM, Backend.SGLANG, Backend.TRTLLM])
+def test_an_encode_worker_over_dynamos_request_plane_has_no_canary_yet_and_says_so(backend):
+    """Dynamo's encode workers take their own request types, which no prober builds yet: no
+    canary, and the reason names the transport it was asked for."""
+    role = Role(Mode.ENCODE, ModelType.MULTIMODAL)
+    plan = plan_canary(CanaryConfig(backend, role, Transport.DYNAMO, enabled=True))
+    assert plan.enabled is False
+    assert f"no encode canary is known for {backend} over dynamo" in plan.why
 
 
 def test_a_text_models_encode_role_keeps_the_old_rule_and_says_why():

@@ -20,6 +20,8 @@ class DynamoVllmProber(DynamoProber):
     backend: ClassVar[Backend] = Backend.VLLM
 
     def skip_reason(self, role: Role) -> str | None:
+        if role.mode is Mode.ENCODE:  # Dynamo's encode worker takes its own request type
+            return super().skip_reason(role)
         return VllmProber().skip_reason(role)  # the engine's rules, whatever carries the request
 
     def why(self, role: Role) -> str:
