@@ -100,7 +100,7 @@ def test_sglang_room_is_fresh_per_canary_and_decode_asks_two_tokens():
         ("sglang", "encode", "multimodal", False),
         ("trtllm", "encode", "text", False),
         ("trtllm", "encode", "multimodal", False),  # CUDA IPC handles nobody would read
-        ("vllm", "decode", "multimodal", False),  # needs embedding_params: no safe probe
+        ("vllm", "decode", "multimodal", True),  # the local text canary, images or not
         ("vllm", "decode", "text", True),
         ("sglang", "decode", "multimodal", True),  # fake transfer works for the language model
         ("trtllm", "decode", "multimodal", True),

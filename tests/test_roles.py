@@ -24,11 +24,11 @@ WAIT, TIMEOUT, RETRY = 1.0, 0.5, 1.0
 STEP = 0.01  # how often a timing test polls: its bounds allow one step
 CANARY_ON = {"DYN_HEALTH_CHECK_ENABLED": "true", "SIDECAR_ENGINE_URL": URL}
 MATRIX = [
-    (b, m, arrival)
+    (b, m, "text", arrival)
     for b in ("vllm", "sglang", "trtllm")
     for m in ("aggregated", "prefill", "decode")
     for arrival in (False, True)
-]
+] + [(b, "decode", "multimodal", False) for b in ("vllm", "sglang", "trtllm")]
 
 
 async def canaries(engine: EngineLink) -> list[dict[str, Any]]:
@@ -45,15 +45,19 @@ async def next_canary(engine: EngineLink) -> None:
     await until(sent, WAIT + RETRY, STEP, "the next canary")
 
 
-@pytest.mark.parametrize(("backend", "mode", "arrival"), MATRIX)
-def test_role_matrix_detects_and_recovers_from_a_generation_hang(backend, mode, arrival):
+@pytest.mark.parametrize(("backend", "mode", "model_type", "arrival"), MATRIX)
+def test_role_matrix_detects_and_recovers_from_a_generation_hang(
+    backend, mode, model_type, arrival
+):
     """On an engine that counts a prompt when the request arrives, the canary's own arrival
     must not read as progress (it excused the timeout and delayed detection to the stall rule).
     The hang starts just after a canary passed, its worst moment: one canary confirms it, so
-    /health is 503 within wait + timeout, on every backend (vLLM's frozen series included)."""
+    /health is 503 within wait + timeout, on every backend (vLLM's frozen series included).
+    A multimodal model's decode worker gets the same local text canary as a text model's."""
     env = CANARY_ON | {
         "SIDECAR_BACKEND": backend,
         "SIDECAR_DISAGGREGATION_MODE": mode,
+        "SIDECAR_MODEL_TYPE": model_type,
         "DYN_SYSTEM_USE_ENDPOINT_HEALTH_STATUS": '["generate"]',
     }
 

@@ -92,15 +92,14 @@ class VllmProber(Prober):
         ),
     )
 
-    def skip_reason(self, role: Role) -> str | None:
-        if role.mode is Mode.DECODE and role.model_type is ModelType.MULTIMODAL:
-            return (
-                "a vLLM multimodal decode worker needs embedding_params from an encoder; no safe "
-                "probe exists, so readiness follows registration"
-            )
-        return super().skip_reason(role)
-
     def why(self, role: Role) -> str:
+        if role.mode is Mode.DECODE and role.model_type is ModelType.MULTIMODAL:
+            # Measured on the tiny Llava as an E/P/D decode instance (kv_consumer, ec_consumer):
+            # docs/engines.md. Images come only with the requests that carry them.
+            return (
+                "plain local request: a vLLM decode instance of a multimodal model runs a text "
+                "request without kv_transfer_params locally, as a text model's does"
+            )
         if role.mode is Mode.DECODE:
             return (
                 "plain local request: vLLM decode runs a request without kv_transfer_params locally"

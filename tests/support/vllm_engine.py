@@ -318,6 +318,33 @@ def vllm_encoder(storage: Path) -> Iterator[VllmEncoder]:
         server.stop()
 
 
+class VllmMultimodalDecode(VllmServer):
+    """The decode instance of disaggregated encoding with prefill/decode (E/P/D): the tiny Llava
+    with NIXL's KV connector as ``kv_consumer`` and ECExampleConnector as ``ec_consumer``
+    reading under ``storage``. Alone (no prefill peer, no encoder): NIXL's calming sitecustomize
+    is left off ``PYTHONPATH`` for the multimodal one, since only one ``sitecustomize`` loads."""
+
+    def __init__(self, storage: Path) -> None:
+        super().__init__("decode", model="VLLM_MM_MODEL_DIR")
+        self.paths |= require("VLLM_MM_SITE_DIR")
+        self.storage = storage
+
+    @property
+    def name(self) -> str:
+        return "vllm-mm-decode"
+
+    def env(self) -> dict[str, str]:
+        return super().env() | {"PYTHONPATH": self.paths["VLLM_MM_SITE_DIR"]}
+
+    def argv(self) -> list[str]:
+        config = {
+            "ec_connector": "ECExampleConnector",
+            "ec_role": "ec_consumer",
+            "ec_connector_extra_config": {"shared_storage_path": str(self.storage)},
+        }
+        return [*super().argv(), "--enforce-eager", "--ec-transfer-config", json.dumps(config)]
+
+
 # --- fault tolerance --------------------------------------------------------------------------
 FT_TRIGGER = "HEALTH_SIDECAR_FT_TRIGGER"  # scripts/vllm_sitecustomize: the fault trigger's file
 FT_FLAGS = (
