@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from sidecar.config import Settings
 from sidecar.core.evidence.result import Outcome
 from sidecar.probes import CanaryConfig, plan_canary
 from sidecar.probes.exchange import Answer, NoAnswer, Received
@@ -21,6 +22,9 @@ from sidecar.probes.image import data_url, fresh_png
 from sidecar.probes.judge import judge
 from sidecar.probes.role import Backend, Mode, ModelType, Role, Transport
 from sidecar.runtime.leftovers import Leftovers
+from sidecar.tools.plan import render as render_plan
+from sidecar.tools.probes import render as render_probes
+from sidecar.tools.probes import size
 from tests.support.exposition import metric
 from tests.support.inprocess import EngineLink, run_virtually, running, until
 
@@ -310,6 +314,23 @@ def test_an_encode_worker_over_dynamos_request_plane_has_no_canary_yet_and_says_
     assert f"no encode canary is known for {backend} over dynamo" in plan.why
 
 
+def test_the_plans_say_an_encoders_gauges_show_no_work_and_bound_no_stall(tmp_path):
+    """An encoder's in-flight gauges read 0 under load (docs/engines.md): --check-config says
+    nothing is held or suspected for load, and the probes promise no bound under load; a text
+    model's decode worker keeps both."""
+    encoder = Settings.model_validate(ENCODER | {"SIDECAR_EC_STORAGE_PATH": str(tmp_path)})
+    decode = Settings.model_validate(
+        ENCODER | {"SIDECAR_DISAGGREGATION_MODE": "decode", "SIDECAR_MODEL_TYPE": "text"}
+    )
+    assert "stall rule   off: no request shows in flight" in render_plan(encoder)
+    assert "holds        routine canaries" not in render_plan(encoder)
+    assert "holds        routine canaries" in render_plan(decode)
+    assert size(encoder, 600).stall_to_notready is None
+    assert size(decode, 600).stall_to_notready is not None
+    assert "Under load" not in render_probes(encoder, 600)
+    assert "Under load" in render_probes(decode, 600)
+
+
 def test_a_text_models_encode_role_keeps_the_old_rule_and_says_why():
     env = ENCODER | {"SIDECAR_MODEL_TYPE": "text"}
 
@@ -424,7 +445,6 @@ def test_a_stuck_removal_never_holds_the_canary_back(tmp_path):
 
 
 def test_the_sidecar_refuses_to_start_without_its_storage_path(tmp_path):
-    from sidecar.config import Settings
     from sidecar.wiring import missing_for
 
     missing = tmp_path / "missing"

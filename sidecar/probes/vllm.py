@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any, ClassVar
 
 from sidecar.core.evidence.progress import (
@@ -134,6 +135,7 @@ class VllmEncoderProber(VllmProber):
     """
 
     generation_path: ClassVar[str] = "/v1/chat/completions"
+    progress: ProgressSpec = replace(VllmProber.progress, in_flight_shown=False)
     leaves: ClassVar[str | None] = (
         f"ECExampleConnector's entry for its image (<item>/{EC_CACHE_FILE})"
     )

@@ -63,17 +63,29 @@ def _progress_lines(plan: CanaryPlan, s: Settings) -> list[str]:
     counters = ", ".join(
         f"{category} {' | '.join(map(str, names))}" for category, names in spec.counters.items()
     )
+    gauges = " + ".join(map(str, spec.running + spec.waiting))
+    shown = spec.in_flight_shown
     return [
         f"progress       GET {path} every {s.metrics_interval:g} s, and around each canary; a "
         "hint, never a verdict",
-        f"  in flight    {' + '.join(map(str, spec.running + spec.waiting))}",
+        f"  in flight    {gauges}"
+        + (
+            ""
+            if shown
+            else " read 0 under load (each request finishes within the step that runs it): "
+            "nothing is held or suspected for load; the scheduled canaries find a hang"
+        ),
         f"  counters     {counters}",
         "  needs        at least one counter; in-flight gauges alone are not readable metrics, "
         "and then the canary alone decides",
-        "  holds        routine canaries while the endpoint is ready and work is in flight",
+        *(
+            ["  holds        routine canaries while the endpoint is ready and work is in flight"]
+            if shown
+            else []
+        ),
         "  excuses      a canary timeout when counters moved beyond the canary's own tokens "
         "(not counted)",
-        *_stall_lines(spec, s),
+        *(_stall_lines(spec, s) if shown else ["  stall rule   off: no request shows in flight"]),
     ]
 
 

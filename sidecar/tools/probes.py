@@ -102,13 +102,16 @@ def size(settings: Settings, max_load_seconds: float) -> Sizing:
     if not math.isfinite(max_load_seconds) or max_load_seconds <= 0:
         raise ValueError(f"--max-load-seconds must be a number > 0, not {max_load_seconds!r}")
     s = settings
-    canary = plan_canary(s.canary_config()).enabled
+    plan = plan_canary(s.canary_config())
+    canary = plan.enabled
     policy = s.policy()  # the bounds and their terms: sidecar/core/evidence/policy.py
     load_to_ready = policy.to_ready(canary).seconds
     hang_to_notready = policy.to_notready(canary).seconds
     hang_to_notlive = policy.to_notlive(canary).seconds
     # With work in flight, quiet counters raise a suspicion that one canary confirms.
-    stall_to_notready = policy.to_stalled().seconds if canary and s.progress_enabled else None
+    # Not where no request shows in flight (a vLLM encoder's gauges read 0 under load).
+    stalls = canary and s.progress_enabled and plan.prober.progress.in_flight_shown
+    stall_to_notready = policy.to_stalled().seconds if stalls else None
 
     startup = Probe(
         s.health_path,

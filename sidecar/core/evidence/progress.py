@@ -68,6 +68,11 @@ class ProgressSpec:
     # when a request completes: only they can tell a busy engine from a stuck one while long
     # requests run. An engine that publishes none of them gets no stall rule.
     per_step: frozenset[str] = frozenset()
+    # Whether a running request shows in ``running`` / ``waiting``. Not on a vLLM encoder: each
+    # request finishes within the step that runs it, and the gauges are recorded after it, so
+    # they read 0 under load (docs/engines.md). Then nothing is held or suspected for load: the
+    # scheduled canaries find a hang, and only other requests' progress excuses a timeout.
+    in_flight_shown: bool = True
 
     def step_series(self) -> tuple[Series, ...]:
         return tuple(s for c in CATEGORIES if c in self.per_step for s in self.counters.get(c, ()))
