@@ -920,6 +920,12 @@ main() {
     # Leftovers of an interrupted run (we hold the lock, so nobody else is using them).
     rm -rf -- "$CACHE"/.tmp-* "$MODELS_DIR"/.*.tmp-* 2>/dev/null || true
 
+    # What the preparation's programs leave in the temporary directory (pip's builds, torch's
+    # inductor cache, the logging configuration Dynamo's runtime writes when it is imported)
+    # goes to a directory in the cache, removed on exit: nothing is left in /tmp.
+    make_tmp_dir scratch
+    export TMPDIR=$TMP_DIR
+
     log "cache: $CACHE; parts: ${parts[*]}"
     for part in "${parts[@]}"; do
         "prepare_${part//-/_}"
