@@ -95,8 +95,11 @@ def test_a_frozen_scheduler_is_notready_long_before_sglangs_own_health_says_so(s
     assert own["after"] >= SGLANG_HEALTH_TIMEOUT - 1
 
 
-def _load(server: SglangServer, clients: int, tokens: int, stop: threading.Event) -> list[Any]:
-    """``clients`` threads each sending long greedy generations until ``stop``."""
+def _load(
+    server: SglangServer, clients: int, tokens: int, stop: threading.Event
+) -> tuple[list[Any], list[threading.Thread]]:
+    """``clients`` threads each sending long greedy generations until ``stop``; their answers
+    and the threads (each ends after the generation it is waiting for when ``stop`` is set)."""
     answers: list[Any] = []
 
     def client(i: int) -> None:
@@ -108,9 +111,10 @@ def _load(server: SglangServer, clients: int, tokens: int, stop: threading.Event
                 except httpx.HTTPError as exc:
                     answers.append(type(exc).__name__)
 
-    for i in range(clients):
-        threading.Thread(target=client, args=(i,), daemon=True).start()
-    return answers
+    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(clients)]
+    for thread in threads:
+        thread.start()
+    return answers, threads
 
 
 def test_busy_holds_ready_and_a_freeze_under_load_is_a_confirmed_stall(server, sidecar):
@@ -119,7 +123,7 @@ def test_busy_holds_ready_and_a_freeze_under_load_is_a_confirmed_stall(server, s
     side = sidecar(sglang_env(server))
     side.wait_status(200, 15)
     stop = threading.Event()
-    answers = _load(server, 4, 200, stop)
+    answers, clients = _load(server, 4, 200, stop)
     [scheduler] = server.scheduler_pids().values()
     try:
         wait_until(lambda: (check(side)["in_flight"] or 0) >= 3, 30, what="a queue to form")
@@ -153,5 +157,14 @@ def test_busy_holds_ready_and_a_freeze_under_load_is_a_confirmed_stall(server, s
     finally:
         server.thaw(scheduler)
         stop.set()
-    side.wait_status(200, 10)
+    # Back to 200 once a canary passes, which it can only once the load's last generations are
+    # done (four of 200 tokens, on a CPU shared with whatever else runs: a CI run once took over
+    # 10 s): wait for them, then for the canary.
+    thawed = time.monotonic()
+    for thread in clients:
+        thread.join(max(0.0, thawed + 120 - time.monotonic()))
+    assert not any(thread.is_alive() for thread in clients), "the load did not end in 120 s"
+    drained = time.monotonic() - thawed
+    back = side.wait_status(200, 10)
+    print(f"REAL-SGLANG after SIGCONT: load done in {drained:.1f} s, ready {back:.2f} s later")
     assert 200 in answers
