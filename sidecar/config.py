@@ -28,7 +28,7 @@ from sidecar.core.endpoint import KV_TRANSFER, MONITORED_ENDPOINTS, OPTIONAL_END
 from sidecar.core.evidence.policy import Policy
 from sidecar.core.schedule import Timing
 from sidecar.core.verdict import Cause, StartingStatus
-from sidecar.probes import CanaryConfig
+from sidecar.probes import CanaryConfig, prober_for
 from sidecar.probes.role import Backend, Mode, ModelType, Role, Transport
 from sidecar.runtime.grpctarget import GrpcTarget, grpc_target
 from sidecar.runtime.grpctarget import host_problem as _host_problem
@@ -555,8 +555,7 @@ class Settings(BaseSettings):
         ranks apart and a canary can be pinned to one (vllm, sglang over HTTP), else 1."""
         if self.dp_ranks is not None:
             return self.dp_ranks
-        counts = self.backend in (Backend.VLLM, Backend.SGLANG)
-        return "auto" if counts and self.transport is Transport.HTTP else 1
+        return "auto" if _pins_ranks(self) and self.transport is Transport.HTTP else 1
 
     @property
     def grpc_registration(self) -> GrpcTarget | None:
@@ -598,12 +597,14 @@ class Settings(BaseSettings):
             check_answer=self.check_answer,
         )
 
-    def timing(self, canary: bool) -> Timing:
+    def timing(self, canary: bool, metrics: bool = True) -> Timing:
         """The monitor's schedule; ``canary``: the endpoint's plan sends canaries (the engine's
-        metrics are read, and its ranks counted, only then)."""
+        metrics are read, and its ranks counted, only then); ``metrics``: its prober reads any
+        series of them (SGLang's encoder: none)."""
+        reads = canary and metrics and self.progress_enabled
         return Timing(
             registration=self.registration_interval,
-            metrics=self.metrics_interval if canary and self.progress_enabled else None,
+            metrics=self.metrics_interval if reads else None,
             transfer=self.kv_probe_interval,
             count_ranks=self.ranks == "auto" and canary,
         )
@@ -782,6 +783,14 @@ def _dynamo(s: Settings) -> bool:
     return s.transport is Transport.DYNAMO
 
 
+def _pins_ranks(s: Settings) -> bool:
+    """Whether this worker's canary can be pinned to one data-parallel rank, and its metrics tell
+    ranks apart (vllm, sglang; not SGLang's encoder, whose /health goes to every rank)."""
+    prober = prober_for(s.canary_config())
+    pins = prober.rank_header is not None or prober.rank_field is not None
+    return pins and prober.rank_label is not None
+
+
 def _vllm_encoder(s: Settings) -> bool:
     return (s.backend, s.disaggregation_mode, s.model_type, s.transport) == (
         Backend.VLLM,
@@ -813,10 +822,10 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "dp_ranks",
-        lambda s: s.dp_ranks not in (None, 1) and s.backend not in (Backend.VLLM, Backend.SGLANG),
+        lambda s: s.dp_ranks not in (None, 1) and not _pins_ranks(s),
         lambda s: (
-            f"1 ({s.backend} cannot pin a request to a data-parallel rank, so ranks cannot "
-            "be told apart)"
+            f"1 ({s.backend}'s {s.disaggregation_mode} worker cannot be sent a canary pinned to a "
+            "data-parallel rank, so ranks cannot be told apart)"
         ),
         lambda s: str(s.dp_ranks),
     ),

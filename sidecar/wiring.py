@@ -162,8 +162,13 @@ async def monitor_main(
             health,
             EngineParts(engine, probes, worker, _grpc_registration(settings, stack, health.clock)),
             plans,
-            settings.timing(plan.enabled),
-            Routes(registration_path(settings, plan), settings.metrics_path),
+            settings.timing(plan.enabled, metrics=bool(plan.prober.progress.every())),
+            Routes(
+                registration_path(settings, plan),
+                settings.metrics_path,
+                any_status=plan.prober.registered_by_any_answer
+                and settings.registration_path is None,
+            ),
         )
         if started is not None:
             started(monitor)

@@ -97,7 +97,7 @@ def test_sglang_room_is_fresh_per_canary_and_decode_asks_two_tokens():
     [
         ("vllm", "encode", "multimodal", True),  # the encoder's canary: a new image
         ("vllm", "encode", "text", False),  # a text model's encoder: nothing to encode
-        ("sglang", "encode", "multimodal", False),
+        ("sglang", "encode", "multimodal", True),  # its own encode check, GET /health
         ("trtllm", "encode", "text", False),
         ("trtllm", "encode", "multimodal", False),  # CUDA IPC handles nobody would read
         ("vllm", "decode", "multimodal", True),  # the local text canary, images or not

@@ -58,6 +58,7 @@ PROFILES = {
     "trtllm-decode": ("trtllm", "decode", "text"),
     "sglang-prefill": ("sglang", "prefill", "text"),
     "sglang-decode": ("sglang", "decode", "text"),
+    "sglang-encode": ("sglang", "encode", "multimodal"),
     "llamacpp-aggregated": ("openai", "aggregated", "text"),
 }
 # Dynamo workers (canaries over the request plane; the worker's system server is on 9090, the

@@ -462,3 +462,61 @@ def test_no_answer_is_a_timeout_whose_file_may_come_later():
     received = Received(NoAnswer(Outcome.TIMEOUT, "no complete answer within 3 s"), 0, 3, 3)
     assert judge(plan, request, received).outcome is Outcome.TIMEOUT
     assert plan.leftovers(request, None) == (f"canary-9/{CACHE_FILE}",)
+
+
+# --- SGLang's encoder: its own GET /health, under the sidecar's deadline ------------------------
+SGLANG_ENCODER = ENCODER | {"SIDECAR_BACKEND": "sglang"}
+
+
+def test_sglangs_encoder_is_checked_by_its_own_health_route_with_no_body():
+    """Registered on any answer of GET /v1/models (the encoder serves none: 404), ready on a
+    GET /health that answers 200 (SGLang encodes its own test image)."""
+
+    async def main() -> None:
+        engine = EngineLink("sglang", "encode")
+        async with running(SGLANG_ENCODER, {URL: engine}) as side:
+            await side.wait_status(200, 5)
+            _, body = await side.health_body()
+            canary = body["checks"]["generate"]["last_canary"]
+            assert canary["outcome"] == "success"
+            assert canary["reason"] == "HTTP 200 from GET /health"
+            assert (await engine.admin.get("/v1/models")).status_code == 404
+            assert not [r for r in await engine.requests() if r["path"] == "/generate"]
+
+    run_virtually(main)
+
+
+def test_a_hung_sglang_encoder_is_notready_with_one_health_check_on_it_at_a_time():
+    """The encoder hung: its /health gives no answer; the sidecar is notready within wait plus
+    two timeouts and a retry, keeps the timed-out /health waiting instead of sending more (at
+    most one on the encoder), and is ready again once the encoder resumes."""
+
+    async def main() -> None:
+        engine = EngineLink("sglang", "encode")
+        async with running(SGLANG_ENCODER, {URL: engine}) as side:
+            await side.wait_status(200, 5)
+            await engine.fault(hang_generation=True)
+            await side.wait_status(503, WAIT + 2 * TIMEOUT + 1.0 + 0.05)
+            _, body = await side.health_body()
+            assert "canary timeout" in body["reason"]
+            assert "stays on its connection" in body["checks"]["generate"]["last_canary"]["reason"]
+            held = []
+            for _ in range(40):  # 4 s of canaries due every second
+                held.append((await engine.state_of())["running"])
+                await asyncio.sleep(0.1)
+            assert max(held) == 1, held  # the one kept /health, never more
+            await engine.fault(hang_generation=False)
+            await side.wait_status(200, 1.0 + TIMEOUT + 0.05)
+
+    run_virtually(main)
+
+
+def test_sglangs_encoder_gets_no_pinned_ranks_and_reads_no_metrics():
+    settings = Settings.model_validate(SGLANG_ENCODER)
+    assert settings.ranks == 1
+    assert settings.timing(True, metrics=False).metrics is None
+    text = render_plan(settings)
+    assert "request      GET /health" in text
+    assert "body         none" in text
+    assert "engine metrics not read" in text
+    assert "registered while it answers at all" in text

@@ -63,7 +63,7 @@ class ScriptedEngine:
     def _result(self, outcome: Outcome, reason: str, started: float) -> Result:
         return Result(outcome, reason, started, asyncio.get_running_loop().time(), 1e9, "r", 200)
 
-    async def registration(self, path: str) -> Result:
+    async def registration(self, path: str, *, any_status: bool = False) -> Result:
         started = self._count("registration")
         await asyncio.sleep(0.001)
         if self.down:

@@ -309,6 +309,8 @@ class SglangBackend(Backend):
         if self.state.stopping.is_set():
             return Response(status_code=503)  # "received during shutdown. Returning 503."
         started = time.time()
+        if self.config.mode == "encode":
+            return await self._health_encode()
         if await self._health_generation():
             return Response(status_code=200)
         timeout = self.config.health_check_timeout
@@ -319,6 +321,26 @@ class SglangBackend(Backend):
             time.strftime("%H:%M:%S", time.localtime(started)),
         )
         return Response(status_code=503)
+
+    async def _health_encode(self) -> Response:
+        """SGLang's encoder (``--encoder-only``): /health encodes a 32x32 test image (one step that
+        computes and finishes it) and answers 200 with an empty body once it is done, or 503 after
+        the health-check timeout (SGLang 0.5.23, docs/engines.md). A hung encoder holds it."""
+        job = Job(request_id=HEALTH_CHECK_RID_PREFIX + new_id(), prompt_tokens=1, max_tokens=0)
+        job.log_metrics = False
+        job.rank = self.state.route(None)
+        try:
+            async with asyncio.timeout(self.config.health_check_timeout):
+                await self.state.generate_all(job)
+        except TimeoutError:
+            return Response(status_code=503)
+        return Response(status_code=200)
+
+    async def models(self) -> Response:
+        """SGLang's encoder serves no /v1/models (404, as any route it does not have)."""
+        if self.config.mode == "encode":
+            return json_response({"detail": "Not Found"}, status=404)
+        return await super().models()
 
     async def _health_generation(self) -> bool:
         """Start a 1-token generation and wait until the engine produces any output since the

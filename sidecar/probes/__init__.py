@@ -22,7 +22,7 @@ from sidecar.probes.dynamo import DynamoSglangProber, DynamoTrtllmProber, Dynamo
 from sidecar.probes.kinds import Probe, ProbeKind
 from sidecar.probes.openai import OpenAIProber
 from sidecar.probes.role import Backend, Mode, ModelType, Role, Transport
-from sidecar.probes.sglang import SglangProber
+from sidecar.probes.sglang import SglangEncoderProber, SglangProber
 from sidecar.probes.transfer import PATH
 from sidecar.probes.trtllm import TrtllmProber
 from sidecar.probes.vllm import VllmEncoderProber, VllmProber
@@ -82,6 +82,8 @@ def prober_for(config: CanaryConfig) -> Prober:
             return VllmEncoderProber()
         case Backend.VLLM:
             return VllmProber()
+        case Backend.SGLANG if config.role.mode is Mode.ENCODE:  # any model type: its routes
+            return SglangEncoderProber(config.bootstrap_port)
         case Backend.SGLANG:
             return SglangProber(config.bootstrap_port)
         case Backend.TRTLLM:

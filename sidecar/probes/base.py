@@ -78,8 +78,14 @@ class Prober:
     # How the canary reaches the engine: its HTTP API, or Dynamo's request plane (canary/dynamo/).
     transport: ClassVar[Transport] = Transport.HTTP
     generation_path: ClassVar[str]
-    # The engine's cheapest "up and model loaded" route.
+    # How the canary is sent, and whether its answer is JSON the prober reads (else a 200 is the
+    # whole answer: SGLang's encoder's GET /health, whose 200 says it encoded its test image).
+    method: ClassVar[str] = "POST"
+    reads_body: ClassVar[bool] = True
+    # The engine's cheapest "up and model loaded" route, and whether any answer below 500 from it
+    # will do (an engine with no cheap route that answers 200: SGLang's encoder).
     registration_path: ClassVar[str]
+    registered_by_any_answer: ClassVar[bool] = False
     # Whether the body names the served model (then it is discovered from GET /v1/models).
     needs_model: ClassVar[bool] = True
     # Where the engine publishes Prometheus metrics, and which samples show work and progress.
@@ -105,6 +111,10 @@ class Prober:
     # with no abort to send, ``keeps_abandoned``: the probe keeps waiting for the one it sent and
     # sends no other while it runs (llama.cpp's llama-server), so at most one is ever there.
     keeps_abandoned: ClassVar[bool] = False
+    # For a kept canary: whether closing its connection, once the engine answers again, stops it
+    # (llama-server cancels it), so a fresh one is sent; else the probe waits for the kept one to
+    # end (SGLang's encoder runs a /health on to its own 30 s timeout whatever its client does).
+    stops_on_close: ClassVar[bool] = True
     # What a canary causes the engine to write and the sidecar removes (:meth:`leftovers`), in
     # words; None where a canary leaves nothing.
     leaves: ClassVar[str | None] = None
@@ -216,7 +226,7 @@ class CanaryPlan:
             request = CanaryRequest("POST", self.path, body, request_id, None)
         else:
             body, tokens = self.prober.body(self.role, model, request_id)
-            request = CanaryRequest("POST", self.path, body, request_id, tokens)
+            request = CanaryRequest(self.prober.method, self.path, body, request_id, tokens)
         return self._pinned(request)
 
     def _pinned(self, request: CanaryRequest) -> CanaryRequest:

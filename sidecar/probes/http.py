@@ -122,7 +122,8 @@ class HttpCanary:
         waiting on its connection (up to KEEP_CAP) rather than close it."""
         started = self.clock()
         kept = self._kept.get(plan.unit)
-        if kept is not None and not kept[0].done() and await self._answers(plan):
+        stoppable = plan.prober.stops_on_close
+        if kept is not None and not kept[0].done() and stoppable and await self._answers(plan):
             kept[0].cancel()  # closes its connection; the engine, awake, lets it go
             kept = None
         again = kept is not None and not kept[0].done()

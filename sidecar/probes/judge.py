@@ -7,6 +7,8 @@ received                                outcome   reason
 no answer (timeout, refused, broken)    its own   the transport's reason
 HTTP 3xx                                error     a redirect, not followed
 HTTP other than 200                     error     the status and the engine's error text
+HTTP 200 to a canary whose body is not  success   the engine's own check passed
+read (Prober.reads_body false)
 HTTP 200, not JSON (type or body)       invalid   what is wrong
 a stream that ended on an error event   error     the worker's error (a rejection of the request)
 well formed, but not a good answer      invalid   what the backend's prober finds wrong
@@ -60,6 +62,8 @@ def _http(
         return Outcome.ERROR, f"HTTP {status} redirect{where} (not followed)", None
     if status != 200:
         return Outcome.ERROR, f"HTTP {status}: {error_text(answer.body)}", None
+    if not plan.prober.reads_body:
+        return Outcome.SUCCESS, f"HTTP 200 from {request.method} {request.path}", None
     if "json" not in answer.content_type.lower():
         shown = answer.content_type or "none"
         return Outcome.INVALID, f"content-type {shown}, expected JSON", None

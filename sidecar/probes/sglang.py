@@ -31,7 +31,7 @@ from sidecar.core.evidence.progress import (
     series,
 )
 from sidecar.probes.base import PROMPT_TOKEN_IDS, CanaryRequest, Prober, Role
-from sidecar.probes.role import Backend, Mode
+from sidecar.probes.role import Backend, Mode, ModelType
 
 FAKE_BOOTSTRAP_HOST = "2.2.2.2"
 ABORT_PATH = "/abort_request"
@@ -136,4 +136,53 @@ class SglangProber(Prober):
         got = meta.get("completion_tokens")
         if expected_tokens is not None and got is not None and got != expected_tokens:
             return f"meta_info.completion_tokens {got!r}, expected {expected_tokens}"
+        return None
+
+
+class SglangEncoderProber(SglangProber):
+    """SGLang's encoder (``--encoder-only``, the E of E/P/D): its own ``GET /health``, which
+    encodes a 32x32 test image on every data-parallel rank and answers 200 (503 after its 30 s
+    timeout, or at once when a rank has died), under the sidecar's deadline. While the encoder
+    hangs it gives no answer at all: a single-process encoder runs HTTP and the vision model on
+    one event loop. Measured on SGLang 0.5.23 with a tiny Qwen2-VL (docs/engines.md).
+
+    The encoder serves no cheap route that answers 200 (no ``/v1/models``; ``/metrics`` only
+    with ``--enable-metrics``), so it is registered while ``GET /v1/models`` answers at all (its
+    404 within the deadline: the server is up; it serves HTTP only once the model is loaded). Its
+    metrics hold no progress series the sidecar reads: the canary alone decides. A ``/health``
+    runs on when its client leaves (a blocked loop cannot see it go, and a frozen rank's share
+    waits for SGLang's own 30 s timeout): the probe keeps a timed-out one waiting on its
+    connection and sends no other until it ends, so at most one is ever on the encoder.
+    While ``POST /encode`` requests wait to send their embeddings, SGLang answers ``/health``
+    200 without encoding: a busy encoder is trusted, as by SGLang's own check."""
+
+    generation_path: ClassVar[str] = "/health"
+    method: ClassVar[str] = "GET"
+    reads_body: ClassVar[bool] = False
+    registration_path: ClassVar[str] = "/v1/models"
+    registered_by_any_answer: ClassVar[bool] = True
+    keeps_abandoned: ClassVar[bool] = True
+    stops_on_close: ClassVar[bool] = False
+    rank_field: ClassVar[str | None] = None  # /health goes to every rank at once
+    rank_label: ClassVar[str | None] = None
+    progress: ProgressSpec = ProgressSpec(path="/metrics", running=(), waiting=(), counters={})
+
+    def skip_reason(self, role: Role) -> str | None:
+        if role.model_type is ModelType.TEXT:  # the rule for a text model's encode worker
+            return Prober.skip_reason(self, role)
+        return None
+
+    def why(self, role: Role) -> str:
+        return (
+            "SGLang's own encode check (GET /health encodes a 32x32 test image on every rank), "
+            "under the sidecar's deadline: it gives no answer while the encoder hangs"
+        )
+
+    def body(self, role: Role, model: str | None, request_id: str) -> tuple[dict[str, Any], int]:
+        return {}, 0
+
+    def good_answer(self, role: Role) -> str:
+        return "HTTP 200 (the encoder encoded its own test image)"
+
+    def answer(self, parsed: Any, role: Role) -> str | None:
         return None

@@ -214,8 +214,9 @@ class EngineClient:
             answer = NoAnswer(answer.outcome, self.redact(answer.reason))
         return Received(answer, started, self.clock(), time.time())
 
-    async def registration(self, path: str) -> Result:
-        """Check the engine's own cheapest "up and model loaded" route."""
+    async def registration(self, path: str, *, any_status: bool = False) -> Result:
+        """Check the engine's own cheapest "up and model loaded" route; with ``any_status``, any
+        answer below 500 says it is up (an engine that serves no cheap route answering 200)."""
         started = self.clock()
 
         def result(outcome: Outcome, reason: str, status: int | None = None) -> Result:
@@ -228,6 +229,10 @@ class EngineClient:
             return result(answer.outcome, f"GET {path}: {answer.reason}")
         if answer.status == 200:
             return result(Outcome.SUCCESS, f"GET {path} -> 200", 200)
+        if any_status and answer.status < 500:
+            return result(
+                Outcome.SUCCESS, f"GET {path} -> {answer.status} (it answers: up)", answer.status
+            )
         text = error_text(answer.body)
         return result(Outcome.ERROR, f"GET {path} -> {answer.status}: {text}", answer.status)
 

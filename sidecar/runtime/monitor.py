@@ -98,6 +98,8 @@ class Routes:
 
     registration: str
     metrics: str | None = None
+    # Registered on any HTTP answer below 500 (an engine with no cheap route that answers 200).
+    any_status: bool = False
 
 
 @dataclass(frozen=True)
@@ -337,7 +339,9 @@ class Monitor:
         if grpc is not None:
             result = await grpc()
         else:
-            result = await self.client.registration(self.routes.registration)
+            result = await self.client.registration(
+                self.routes.registration, any_status=self.routes.any_status
+            )
         wanting = self.health.snapshot.wants_model() if result.ok else []
         if wanting:
             model, why = await self.client.served_model()

@@ -44,6 +44,9 @@ def _passes_when(plan: CanaryPlan, settings: Settings) -> str:
         if plan.override is not None:
             return whole + ", without an error, with a finish reason on its last chunk"
         return f"{whole}, {plan.prober.good_answer(plan.role)}"
+    if not plan.prober.reads_body and plan.override is None:
+        good = plan.prober.good_answer(plan.role)
+        return f"the whole answer arrives within {timeout:g} s with {good}"
     whole = f"the whole answer arrives within {timeout:g} s with HTTP 200 and JSON"
     if plan.override is not None:
         return whole + ", without an error, with a finish reason where the answer has one"
@@ -59,6 +62,11 @@ def _progress_lines(plan: CanaryPlan, s: Settings) -> list[str]:
         )
         return [f"progress       engine metrics not read ({why})"]
     spec = plan.prober.progress
+    if not spec.every():
+        return [
+            f"progress       engine metrics not read ({s.backend}'s {s.disaggregation_mode} "
+            "worker publishes no series that shows its work: the canary alone decides)"
+        ]
     path = s.metrics_path or spec.path
     counters = ", ".join(
         f"{category} {' | '.join(map(str, names))}" for category, names in spec.counters.items()
@@ -174,7 +182,7 @@ def _rank_lines(plan: CanaryPlan, s: Settings) -> list[str]:
         elif s.transport is Transport.DYNAMO:
             why = ": a Dynamo worker's ranks are not pinned over its request plane"
         else:
-            why = f": {s.backend} cannot pin a canary to a rank"
+            why = f": a canary to {s.backend}'s {s.disaggregation_mode} worker cannot be pinned"
         return [f"ranks          1 ({source}{why}): the server is checked as one"]
     prober = plan.prober
     pin = (
@@ -291,6 +299,8 @@ def _registration_check(plan: CanaryPlan, s: Settings) -> tuple[str, str]:
     target = s.grpc_registration
     if target is not None:
         return f"grpc.health.v1 Check({target.service!r}) at {target.address}", "SERVING"
+    if s.registration_path is None and plan.prober.registered_by_any_answer:
+        return f"GET {plan.prober.registration_path}", "at all (any status below 500: it is up)"
     return f"GET {s.registration_path or plan.prober.registration_path}", "200"
 
 
@@ -337,9 +347,10 @@ def _canary_lines(plan: CanaryPlan, s: Settings) -> list[str]:
             "  context      id canary-<uuid>; stopped on the worker when it times out",
         ]
     else:
+        example = plan.request(None, "canary-<uuid>")
         request = [
-            f"  request      POST {plan.path}",
-            f"  body         {json.dumps(_example_body(plan, s))}",
+            f"  request      {example.method} {plan.path}",
+            f"  body         {json.dumps(_example_body(plan, s)) if example.body else 'none'}",
             "  headers      X-Request-Id: canary-<uuid>",
         ]
     if s.check_answer and plan.override is None:

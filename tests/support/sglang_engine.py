@@ -241,6 +241,44 @@ class SglangServer(MetricsServer):
         return self.generate(body, timeout)
 
 
+class SglangEncoder(SglangServer):
+    """SGLang's encoder of E/P/D (``--encoder-only``) with the tiny Qwen2-VL
+    (``SGLANG_MM_MODEL_DIR``) and the site directory ``SGLANG_MM_SITE_DIR`` alone on
+    ``PYTHONPATH`` (it runs the project's SGLang fixes too). One process: the launcher runs HTTP,
+    the encoder's scheduler and the vision model on one event loop, so freezing it (SIGSTOP) is a
+    hung encoder whose every route gives no answer. It serves ``/health`` (an encode of a 32x32
+    test image), ``/encode`` and 404 for the rest: it is ready on ``/health`` 200."""
+
+    stop_group = True  # one process (and nothing that mistakes a group SIGTERM for a crash)
+
+    def __init__(self, *extra: str) -> None:
+        self.paths = require("SGLANG_PYTHON", "SGLANG_MM_SITE_DIR", "SGLANG_MM_MODEL_DIR")
+        MetricsServer.__init__(self)
+        self.mode = "encode"
+        self.dp_size = 1
+        self.max_running_requests = None
+        self.nice = ENGINE_NICE
+        self.extra = list(extra)
+        self.extra_env = {}
+        self.bootstrap_port = None
+
+    @property
+    def name(self) -> str:
+        return "sglang-encoder"
+
+    def env(self) -> dict[str, str]:
+        return super().env() | {"PYTHONPATH": self.paths["SGLANG_MM_SITE_DIR"]}
+
+    def argv(self) -> list[str]:
+        argv = [self.paths["SGLANG_PYTHON"], "-m", "sglang.launch_server"]
+        argv += ["--model-path", self.paths["SGLANG_MM_MODEL_DIR"], "--served-model-name", MODEL]
+        argv += ["--encoder-only", "--device", "cpu", "--dtype", "float32"]
+        return [*argv, "--host", LOOPBACK, "--port", str(self.port), *self.extra]
+
+    def ready(self) -> bool:
+        return self.http.get(f"{self.url}/health", timeout=30).status_code == 200
+
+
 @contextlib.contextmanager
 def sglang_server(
     *extra: str,
@@ -254,6 +292,18 @@ def sglang_server(
     server = SglangServer(
         *extra, mode=mode, dp_size=dp_size, max_running_requests=max_running_requests, env=env
     )
+    try:
+        server.start()
+        yield server
+    finally:
+        server.close()
+
+
+@contextlib.contextmanager
+def sglang_encoder() -> Iterator[SglangEncoder]:
+    """One started SGLang encoder, ended on exit (in a module fixture that depends on
+    ``isolated``, as :func:`sglang_server`)."""
+    server = SglangEncoder()
     try:
         server.start()
         yield server
