@@ -50,7 +50,7 @@ from tests.support.harness import ROOT, FakeEngine, Sidecar, base_env
 from tests.support.netns import private_network, unavailable
 from tests.support.processes import log_dir
 from tests.support.sglang_engine import SCHEDULER as SGLANG_SCHEDULER
-from tests.support.sglang_engine import SglangServer
+from tests.support.sglang_engine import SglangEncoder, SglangServer
 from tests.support.vllm_engine import VllmEncoder, VllmServer
 
 MODEL = "tiny"  # llama-server's --alias and the mocker's --model-name (tests/support/engines.py)
@@ -1038,6 +1038,35 @@ async def sglang_freeze(rng: random.Random, *, traffic: bool) -> Rep:
             return rep
 
 
+async def sglang_encode_freeze(rng: random.Random) -> Rep:
+    """SGLang's encoder (``--encoder-only``: one process for HTTP and the vision model) frozen
+    whole while idle; the sidecar alone (Dynamo's SGLang encode worker registers no canary)."""
+    notes = await alone_with_sglang()
+    server = SglangEncoder()
+    try:
+        await asyncio.to_thread(server.start)
+        check_private(server)
+        extra = {"SIDECAR_DISAGGREGATION_MODE": "encode", "SIDECAR_MODEL_TYPE": "multimodal"}
+        async with probers(
+            server.url, server.close, backend="sglang", extra=extra, baseline=False
+        ) as rig:
+            own = own_sglang_health(rig, server)
+            await ready_for_fault(rig, rng, 10.0, also=[own])
+            before = await rig.sidecar_canaries()
+            fault = now()
+            server.freeze()
+            await asyncio.sleep(SGLANG_HOLD)
+            recovery = now()
+            server.thaw()
+            await sglang_back(rig, own)
+            rep = results(rig, fault, recovery, before)
+            own_sglang_row(rep, own, fault, recovery)
+            rep.facts += [*notes, first_503(rig, fault), first_200(rig, recovery)]
+            return rep
+    finally:
+        await asyncio.to_thread(server.close)
+
+
 async def sglang_idle_freeze(rng: random.Random) -> Rep:
     """SGLang's scheduler (the model's step loop) frozen while idle for 30 s."""
     return await sglang_freeze(rng, traffic=False)
@@ -1172,6 +1201,13 @@ SCENARIOS: dict[str, Scenario] = {
         "the same vLLM under steady traffic (2 clients, streaming, 32 tokens, back to back) for "
         "3 s, then its Worker SIGSTOPped for 20 s, then SIGCONT. Back to 200 from SIGCONT.",
     ),
+    "vllm-core-kill": Scenario(
+        "7c. vLLM: EngineCore killed, server restarted",
+        vllm_core_kill,
+        "the same vLLM, idle; its VLLM::EngineCore SIGKILLed (vLLM's /health turns 503, the API "
+        "server exits about 3 s later), then the server started again on the same port. Back "
+        "to 200 from vLLM's own /health 200.",
+    ),
     "vllm-encode-freeze": Scenario(
         "7d. vLLM encoder (E/P/D): Worker frozen while idle",
         vllm_encode_freeze,
@@ -1180,13 +1216,6 @@ SCENARIOS: dict[str, Scenario] = {
         "its file removed); at a random point 0-10 s after it is ready, the VLLM::Worker "
         "SIGSTOPped for 20 s (its /health still answers 200), then SIGCONT. Back to 200 from "
         "SIGCONT. Dynamo sends an encode worker no canary: its row is readiness by registration.",
-    ),
-    "vllm-core-kill": Scenario(
-        "7c. vLLM: EngineCore killed, server restarted",
-        vllm_core_kill,
-        "the same vLLM, idle; its VLLM::EngineCore SIGKILLed (vLLM's /health turns 503, the API "
-        "server exits about 3 s later), then the server started again on the same port. Back "
-        "to 200 from vLLM's own /health 200.",
     ),
     "vllm-sleep": Scenario(
         "8a. vLLM: put to sleep, then woken",
@@ -1229,6 +1258,15 @@ SCENARIOS: dict[str, Scenario] = {
         "pins one canary to each), the baseline with its unpinned canary; at a random point "
         "0-10 s after every prober is ready, sglang::scheduler_DP1 SIGSTOPped for "
         f"{SGLANG_HOLD:g} s (rank 0 still serves), then SIGCONT. Back to 200 from SIGCONT.",
+    ),
+    "sglang-encode-freeze": Scenario(
+        "9d. SGLang encoder (E/P/D): frozen while idle",
+        sglang_encode_freeze,
+        "a real SGLang encoder (0.5.23, --encoder-only, a tiny random Qwen2-VL: one process for "
+        "HTTP and the vision model), idle; the sidecar with config/sglang-encode.env's role (its "
+        "canary: the encoder's own GET /health, which encodes a test image); at a random point "
+        f"0-10 s after it is ready, the process SIGSTOPped for {SGLANG_HOLD:g} s, then SIGCONT. "
+        "Back to 200 from SIGCONT. Dynamo's SGLang encode worker registers no canary.",
     ),
     "busy-healthy": Scenario(
         "6b. busy but healthy",
