@@ -115,6 +115,8 @@ class Prober:
     # (llama-server cancels it), so a fresh one is sent; else the probe waits for the kept one to
     # end (SGLang's encoder runs a /health on to its own 30 s timeout whatever its client does).
     stops_on_close: ClassVar[bool] = True
+    # Why a kept canary stays on its connection, in the canary's reason.
+    kept_because: ClassVar[str] = "the engine would compute it anyway and has no abort"
     # What a canary causes the engine to write and the sidecar removes (:meth:`leftovers`), in
     # words; None where a canary leaves nothing.
     leaves: ClassVar[str | None] = None

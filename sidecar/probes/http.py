@@ -142,8 +142,7 @@ class HttpCanary:
         which = f"canary {request_id}, sent before this one," if again else "it"
         reason = (
             f"no complete answer within {self.timeout:g} s; {which} stays on its "
-            "connection (the engine would compute it anyway and has no abort): no other is "
-            "sent until it ends"
+            f"connection ({plan.prober.kept_because}): no other is sent until it ends"
         )
         return Result(Outcome.TIMEOUT, reason, started, self.clock(), time.time(), request_id)
 

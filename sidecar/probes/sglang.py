@@ -163,6 +163,7 @@ class SglangEncoderProber(SglangProber):
     registered_by_any_answer: ClassVar[bool] = True
     keeps_abandoned: ClassVar[bool] = True
     stops_on_close: ClassVar[bool] = False
+    kept_because: ClassVar[str] = "SGLang runs a /health to its end whatever its client does"
     rank_field: ClassVar[str | None] = None  # /health goes to every rank at once
     rank_label: ClassVar[str | None] = None
     progress: ProgressSpec = ProgressSpec(path="/metrics", running=(), waiting=(), counters={})
