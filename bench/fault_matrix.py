@@ -745,7 +745,6 @@ ENCODE_ENV = {
     "SIDECAR_DISAGGREGATION_MODE": "encode",
     "SIDECAR_MODEL_TYPE": "multimodal",
 }
-DYNAMO_ENCODE = "Dynamo's encode worker (no canary: ready while registered)"
 
 
 async def vllm_encode_freeze(rng: random.Random) -> Rep:
@@ -770,9 +769,10 @@ async def vllm_encode_freeze(rng: random.Random) -> Rep:
                 await rig.wait_ready(CAP)
                 rep = results(rig, fault, recovery, before)
                 own_health_row(rep, own, fault, recovery)
-                # Dynamo 1.6.1 registers no canary for an encode worker: it is ready while its
-                # endpoint is registered, and a stopped Worker stays registered.
-                rep.probers[DYNAMO_ENCODE] = rep.probers[VLLM_OWN]
+                rep.facts.append(
+                    "Dynamo 1.6.1 registers no canary for its encode worker (read in its code, "
+                    "not run here): it is ready while its endpoint is registered"
+                )
                 await wait_for(lambda: not server.stored(), 5.0)
                 rep.facts.append(f"files left in the encoder's storage: {len(server.stored())}")
                 return rep
@@ -1046,9 +1046,8 @@ async def sglang_encode_freeze(rng: random.Random) -> Rep:
     try:
         await asyncio.to_thread(server.start)
         check_private(server)
-        extra = {"SIDECAR_DISAGGREGATION_MODE": "encode", "SIDECAR_MODEL_TYPE": "multimodal"}
         async with probers(
-            server.url, server.close, backend="sglang", extra=extra, baseline=False
+            server.url, server.close, backend="sglang", extra=ENCODE_ENV, baseline=False
         ) as rig:
             own = own_sglang_health(rig, server)
             await ready_for_fault(rig, rng, 10.0, also=[own])
@@ -1215,7 +1214,7 @@ SCENARIOS: dict[str, Scenario] = {
         "Llava), idle; the sidecar with config/vllm-encode.env's role (a new image per canary, "
         "its file removed); at a random point 0-10 s after it is ready, the VLLM::Worker "
         "SIGSTOPped for 20 s (its /health still answers 200), then SIGCONT. Back to 200 from "
-        "SIGCONT. Dynamo sends an encode worker no canary: its row is readiness by registration.",
+        "SIGCONT.",
     ),
     "vllm-sleep": Scenario(
         "8a. vLLM: put to sleep, then woken",
