@@ -31,6 +31,7 @@ from tests.support.vllm_engine import (
     VllmEncoder,
     pause,
     resume,
+    stop_worker_until_notready,
     vllm_encoder,
 )
 
@@ -152,28 +153,14 @@ def test_a_stopped_worker_is_notready_while_vllms_health_answers_200(encoder, si
     caused to be written after SIGCONT (the Worker finishes the step it was given) is removed."""
     side = sidecar(sidecar_env(encoder))
     side.wait_status(200, 30)
-    worker = encoder.worker_pid()
-    engine_health: set[int | None] = set()
-    pause(worker)
-    try:
-        stopped = time.monotonic()
-
-        def notready() -> bool:
-            engine_health.add(encoder.health())
-            return side.get("/health").status_code == 503
-
-        wait_until(notready, WAIT + TIMEOUT + 2 + 5, interval=0.05, what="/health -> 503")
-        took = time.monotonic() - stopped
-        _, body = side.health()
-        assert side.get("/live").status_code == 200
-    finally:
-        resume(worker)
-    print(f"\nREAL-VLLM-ENCODE Worker stopped: notready after {took:.2f} s: {body['reason']}")
-    assert took <= WAIT + TIMEOUT + 2
-    assert engine_health == {200}
-    assert "canary timeout" in body["reason"]
-    back = side.wait_status(200, 10)
-    print(f"REAL-VLLM-ENCODE SIGCONT: ready after {back:.2f} s")
+    stopped = stop_worker_until_notready(encoder, side, WAIT + TIMEOUT + 2 + 5)
+    reason = stopped.body["reason"]
+    print(f"\nREAL-VLLM-ENCODE Worker stopped: notready after {stopped.took:.2f} s: {reason}")
+    print(f"REAL-VLLM-ENCODE SIGCONT: ready after {stopped.back:.2f} s")
+    assert stopped.took <= WAIT + TIMEOUT + 2
+    assert stopped.engine_health == {200}
+    assert stopped.live == 200
+    assert "canary timeout" in reason
     nothing_stored(encoder, timeout=WAIT + TIMEOUT + 1)
 
 

@@ -9,14 +9,12 @@ without it (failed under CI). Measured: docs/engines.md ("vLLM's encoder").
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.support.harness import wait_until
-from tests.support.vllm_engine import VllmMultimodalDecode, pause, resume
+from tests.support.vllm_engine import VllmMultimodalDecode, stop_worker_until_notready
 
 pytestmark = pytest.mark.engine
 
@@ -51,24 +49,10 @@ def test_a_multimodal_decode_worker_gets_the_local_text_canary(decode, sidecar):
     _, body = side.health()
     canary = body["checks"]["generate"]["last_canary"]
     assert canary["outcome"] == "success", canary
-    worker = decode.worker_pid()
-    engine_health: set[int | None] = set()
-    pause(worker)
-    try:
-        stopped = time.monotonic()
-
-        def notready() -> bool:
-            engine_health.add(decode.health())
-            return side.get("/health").status_code == 503
-
-        wait_until(notready, WAIT + TIMEOUT + 2 + 5, interval=0.05, what="/health -> 503")
-        took = time.monotonic() - stopped
-        _, body = side.health()
-    finally:
-        resume(worker)
-    print(f"\nREAL-VLLM-MM-DECODE Worker stopped: notready after {took:.2f} s: {body['reason']}")
-    assert took <= WAIT + TIMEOUT + 2
-    assert engine_health == {200}
-    assert "canary timeout" in body["reason"]
-    back = side.wait_status(200, 10)
-    print(f"REAL-VLLM-MM-DECODE SIGCONT: ready after {back:.2f} s")
+    stopped = stop_worker_until_notready(decode, side, WAIT + TIMEOUT + 2 + 5)
+    reason = stopped.body["reason"]
+    print(f"\nREAL-VLLM-MM-DECODE Worker stopped: notready after {stopped.took:.2f} s: {reason}")
+    print(f"REAL-VLLM-MM-DECODE SIGCONT: ready after {stopped.back:.2f} s")
+    assert stopped.took <= WAIT + TIMEOUT + 2
+    assert stopped.engine_health == {200}
+    assert "canary timeout" in reason

@@ -28,7 +28,9 @@ import contextlib
 import json
 import os
 import signal
+import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +39,8 @@ import httpx
 from sidecar.probes.transfer import REMOTE_DECODE
 from tests.support.engines import require
 from tests.support.exposition import metric_names, samples, total
-from tests.support.processes import LOOPBACK, MetricsServer, base_env, free_port
+from tests.support.harness import Sidecar
+from tests.support.processes import LOOPBACK, MetricsServer, base_env, free_port, wait_until
 
 __all__ = ["metric_names", "samples", "total"]  # here too, for the tests that read them here
 
@@ -231,6 +234,40 @@ def pause(pid: int) -> None:
 def resume(pid: int) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGCONT)
+
+
+@dataclass(frozen=True)
+class Stopped:
+    """What a sidecar said of a vLLM whose Worker was stopped until the sidecar said 503."""
+
+    took: float  # seconds from SIGSTOP to the sidecar's 503
+    body: dict[str, Any]  # the sidecar's /health body then
+    live: int  # the sidecar's /live status then
+    engine_health: frozenset[int | None]  # what vLLM's own /health answered meanwhile
+    back: float  # seconds from SIGCONT to the sidecar's 200
+
+
+def stop_worker_until_notready(server: VllmServer, side: Sidecar, within: float) -> Stopped:
+    """SIGSTOP ``server``'s Worker, poll the sidecar until /health says 503 (vLLM's own /health
+    beside it), read /health and /live, SIGCONT, and wait for 200 again."""
+    worker = server.worker_pid()
+    engine_health: set[int | None] = set()
+    pause(worker)
+    try:
+        stopped = time.monotonic()
+
+        def notready() -> bool:
+            engine_health.add(server.health())
+            return side.get("/health").status_code == 503
+
+        wait_until(notready, within, interval=0.05, what="/health -> 503")
+        took = time.monotonic() - stopped
+        _, body = side.health()
+        live = side.get("/live").status_code
+    finally:
+        resume(worker)
+    back = side.wait_status(200, 10)
+    return Stopped(took, body, live, frozenset(engine_health), back)
 
 
 @contextlib.contextmanager
