@@ -16,7 +16,7 @@ from types import FrameType
 
 import uvicorn
 
-from fakeengine import grpchealth
+from fakeengine import grpcengine, grpchealth
 from fakeengine.app import build_app
 from fakeengine.backends import BACKENDS
 from fakeengine.state import (
@@ -137,6 +137,17 @@ def build_parser() -> argparse.ArgumentParser:
         "'' and vllm.grpc.engine.VllmEngine, SERVING unless loading, dead or health_status >= "
         "300; see fakeengine/grpchealth.py)",
     )
+    parser.add_argument(
+        "--grpc-port",
+        type=int,
+        metavar="PORT",
+        help="also serve the backend's gRPC generation service on PORT (0 lets the OS pick; the "
+        "line 'fakeengine gRPC listening on HOST:PORT service=NAME' says where), on the same "
+        "engine state as HTTP: vllm: vllm.grpc.engine.VllmEngine with grpc.health.v1, sglang: "
+        "sglang.grpc.scheduler.SglangScheduler (--smg-grpc-mode), trtllm: trtllm.TrtllmService; "
+        "not for --mode encode. Needs smg-grpc-proto (the grpc extra); see "
+        "fakeengine/grpcengine.py",
+    )
     parser.add_argument("--port-file", type=Path, help="write the bound port here (atomically)")
     parser.add_argument("--log-level", choices=LOG_LEVELS, default="warning")
     return parser
@@ -156,6 +167,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--ec-storage-path exists only for --backend vllm --mode encode")
     if args.grpc_health_port is not None and args.backend != "vllm":
         parser.error("--grpc-health-port exists only for --backend vllm")
+    grpc_refusal = grpcengine.check_supported(args.backend, args.mode)
+    if args.grpc_port is not None and grpc_refusal is not None:
+        parser.error(grpc_refusal)
     if args.disaggregation_transfer_backend is not None and args.backend != "sglang":
         parser.error("--disaggregation-transfer-backend exists only for --backend sglang")
     transfer_backend = args.disaggregation_transfer_backend or DEFAULT_TRANSFER_BACKEND
@@ -228,9 +242,25 @@ async def _run(args: argparse.Namespace) -> int:
         except RuntimeError as exc:
             print(f"fakeengine: cannot serve gRPC health: {exc}", file=sys.stderr)
             return 1
+    grpc_engine = None
+    if args.grpc_port is not None:
+        try:
+            grpc_engine = await grpcengine.start(state, args.host, args.grpc_port)
+        except (ImportError, RuntimeError) as exc:
+            print(f"fakeengine: cannot serve gRPC generation: {exc}", file=sys.stderr)
+            if grpc_server is not None:
+                await grpc_server.stop(None)
+            return 1
+        print(
+            f"fakeengine gRPC listening on {_url_host(args.host)}:{grpc_engine.port} "
+            f"service={grpc_engine.service}",
+            flush=True,
+        )
     try:
         await server.serve(sockets=[sock])
     finally:
+        if grpc_engine is not None:
+            await grpc_engine.stop()
         if grpc_server is not None:
             await grpc_server.stop(grpchealth.GRACE)
     return 0
