@@ -83,10 +83,11 @@ NIXL_PACKAGES=("nixl-cu12==${NIXL_VERSION}" "nixl==${NIXL_VERSION}")
 VLLM_MM_PACKAGES=(torchvision==0.28.0)
 # dynamo.vllm on top of the vllm venv: everything --no-deps, so pip never touches (or shadows)
 # what the vllm venv resolved. redis is the one start-up import the vllm venv lacks
-# (dynamo.common.multimodal's image cache); the declared zstandard is imported only by
+# (dynamo.common.multimodal's image cache); accelerate is what the encode worker's vision model
+# needs to load (transformers' device_map); the declared zstandard is imported only by
 # the metadata-upload feature. The venv gets no pip/setuptools of its own (the vllm venv's are
 # seen through the .pth file); its own copies would shadow the vllm venv's newer setuptools.
-DYNAMO_VLLM_DEPS=(redis)
+DYNAMO_VLLM_DEPS=(redis accelerate==1.16.0)
 # SGLang's wheel pins torch 2.14.1, sglang-kernel and CUDA packages (flashinfer, cutlass, ...):
 # torch goes in first (the CPU wheel of the machine's pip configuration), then sglang and every
 # dependency from the pinned list, all --no-deps. PyPI has no CPU sgl_kernel; the site directory
@@ -125,6 +126,7 @@ DYNAMO_VLLM_PTH=_vllm_venv.pth # in its site-packages: adds the vllm venv's site
 DYNAMO_VLLM_SITE_DIR=$CACHE/dynamo-vllm-site # PYTHONPATH entry holding sitecustomize.py
 DYNAMO_VLLM_SITE_SRC=$SCRIPT_DIR/dynamo_vllm_sitecustomize/sitecustomize.py
 DYNAMO_VLLM_NIXL_FIX=_vllm_sitecustomize.py # beside it: a copy of $VLLM_SITE_SRC, imported by it
+DYNAMO_VLLM_MM_FIX=_vllm_mm_sitecustomize.py # and of $VLLM_MM_SITE_SRC, for the encode worker
 SGLANG_VENV=$CACHE/sglang-$SGLANG_VERSION-venv
 SGLANG_PYTHON=$SGLANG_VENV/bin/python
 SGLANG_REQUIREMENTS=$SCRIPT_DIR/sglang-requirements.txt # pinned, installed --no-deps
@@ -329,7 +331,8 @@ dynamo_vllm_venv_present() {
 }
 dynamo_vllm_site_present() {
     cmp -s -- "$DYNAMO_VLLM_SITE_SRC" "$DYNAMO_VLLM_SITE_DIR/sitecustomize.py" &&
-        cmp -s -- "$VLLM_SITE_SRC" "$DYNAMO_VLLM_SITE_DIR/$DYNAMO_VLLM_NIXL_FIX"
+        cmp -s -- "$VLLM_SITE_SRC" "$DYNAMO_VLLM_SITE_DIR/$DYNAMO_VLLM_NIXL_FIX" &&
+        cmp -s -- "$VLLM_MM_SITE_SRC" "$DYNAMO_VLLM_SITE_DIR/$DYNAMO_VLLM_MM_FIX"
 }
 # The worker also needs the vllm part's model (VLLM_MODEL_DIR).
 dynamo_vllm_present() { dynamo_vllm_venv_present && dynamo_vllm_site_present && vllm_present; }
@@ -736,6 +739,7 @@ prepare_dynamo_vllm() {
     else
         mkdir -p "$DYNAMO_VLLM_SITE_DIR"
         install_file "$VLLM_SITE_SRC" "$DYNAMO_VLLM_SITE_DIR/$DYNAMO_VLLM_NIXL_FIX"
+        install_file "$VLLM_MM_SITE_SRC" "$DYNAMO_VLLM_SITE_DIR/$DYNAMO_VLLM_MM_FIX"
         install_file "$DYNAMO_VLLM_SITE_SRC" "$DYNAMO_VLLM_SITE_DIR/sitecustomize.py"
         log "dynamo-vllm sitecustomize installed: $DYNAMO_VLLM_SITE_DIR"
     fi

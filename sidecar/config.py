@@ -29,7 +29,7 @@ from sidecar.core.evidence.policy import Policy
 from sidecar.core.schedule import Timing
 from sidecar.core.verdict import Cause, StartingStatus
 from sidecar.probes import CanaryConfig, prober_for
-from sidecar.probes.role import Backend, Mode, ModelType, Role, Transport
+from sidecar.probes.role import Backend, EmbeddingTransfer, Mode, ModelType, Role, Transport
 from sidecar.runtime.grpctarget import GrpcTarget, grpc_target
 from sidecar.runtime.grpctarget import host_problem as _host_problem
 from sidecar.runtime.requestplane import environment
@@ -258,16 +258,26 @@ class Settings(BaseSettings):
         "SIDECAR_MODEL_TYPE",
         ModelType.TEXT,
         "text or multimodal. With SIDECAR_DISAGGREGATION_MODE=encode, multimodal gives the "
-        "encode worker a canary with a new image each time (vllm); text keeps it without one.",
+        "encode worker a canary that encodes an image (vllm over http or dynamo, sglang); text "
+        "keeps it without one.",
         "text or multimodal",
     )
     ec_storage_path: str | None = _env(
         "SIDECAR_EC_STORAGE_PATH",
         None,
-        "Where a vLLM encoder's ECExampleConnector stores encoded items (its "
-        "shared_storage_path), as mounted in the sidecar: each encode canary's item is removed "
-        "from it, and a timed-out canary's when it appears. Unset: canary items stay there.",
+        "Where a vLLM encoder writes what an encode canary causes, as mounted in the sidecar: "
+        "over http its ECExampleConnector's shared_storage_path (each canary's item is removed, "
+        "a timed-out canary's when it appears); over dynamo the encode worker's TMPDIR (each "
+        "canary's embeddings file, named in its answer, is removed). Unset: they stay there.",
         "the absolute path of a directory",
+    )
+    embedding_transfer_mode: EmbeddingTransfer = _env(
+        "DYN_VLLM_EMBEDDING_TRANSFER_MODE",
+        EmbeddingTransfer.NIXL_WRITE,
+        "How Dynamo's vLLM encode worker hands on its embeddings (its own variable; nixl-write "
+        "when unset, as its code has it). Over dynamo only local gives the encode worker a "
+        "canary: in the NIXL modes a canary's embedding, never read, would hold every later one.",
+        "one of local, nixl-write, nixl-read",
     )
     model: str | None = _env(
         "SIDECAR_MODEL",
@@ -580,6 +590,7 @@ class Settings(BaseSettings):
             path=self.canary_path,
             dynamo_endpoint=self.dynamo_endpoint,
             bootstrap_port=self.sglang_bootstrap_port,
+            embedding_transfer=self.embedding_transfer_mode,
         )
 
     def policy(self) -> Policy:
@@ -792,11 +803,10 @@ def _pins_ranks(s: Settings) -> bool:
 
 
 def _vllm_encoder(s: Settings) -> bool:
-    return (s.backend, s.disaggregation_mode, s.model_type, s.transport) == (
+    return (s.backend, s.disaggregation_mode, s.model_type) == (
         Backend.VLLM,
         Mode.ENCODE,
         ModelType.MULTIMODAL,
-        Transport.HTTP,
     )
 
 
@@ -845,7 +855,7 @@ RULES: tuple[Rule, ...] = (
         lambda s: s.ec_storage_path is not None and not _vllm_encoder(s),
         lambda s: (
             "unset (only a vLLM encoder's canary writes there: SIDECAR_BACKEND=vllm, "
-            "SIDECAR_DISAGGREGATION_MODE=encode, SIDECAR_MODEL_TYPE=multimodal over http)"
+            "SIDECAR_DISAGGREGATION_MODE=encode, SIDECAR_MODEL_TYPE=multimodal)"
         ),
     ),
     Rule(

@@ -226,7 +226,9 @@ def _probes(
         ProbeKind.HTTP: HttpCanary(canaries, timeout=timeout, clock=clock, sweeper=sweeper)
     }
     if worker is not None:
-        probes[ProbeKind.DYNAMO] = DynamoCanary(worker, timeout=timeout)
+        probes[ProbeKind.DYNAMO] = DynamoCanary(
+            worker, timeout=timeout, clock=clock, sweeper=sweeper
+        )
     if settings.kv_peer_url is not None:
         kv_timeout = settings.kv_probe_timeout
         probes[ProbeKind.TRANSFER] = TransferProbe(

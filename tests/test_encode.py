@@ -9,18 +9,21 @@ The real encoders are in tests/test_vllm_encode.py (engine tier).
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 from typing import Any
 
 import pytest
+from aiotools import VirtualClock
 
 from sidecar.config import Settings
 from sidecar.core.evidence.result import Outcome
 from sidecar.probes import CanaryConfig, plan_canary
-from sidecar.probes.exchange import Answer, NoAnswer, Received
+from sidecar.probes.dynamo.canary import DynamoCanary
+from sidecar.probes.exchange import Answer, NoAnswer, Received, Streamed
 from sidecar.probes.image import data_url, fresh_png
 from sidecar.probes.judge import judge
-from sidecar.probes.role import Backend, Mode, ModelType, Role, Transport
+from sidecar.probes.role import Backend, EmbeddingTransfer, Mode, ModelType, Role, Transport
 from sidecar.runtime.leftovers import Leftovers
 from sidecar.tools.plan import render as render_plan
 from sidecar.tools.probes import render as render_probes
@@ -304,14 +307,196 @@ def test_a_busy_encoder_is_not_hung():
     run_virtually(main)
 
 
-@pytest.mark.parametrize("backend", [Backend.VLLM, Backend.SGLANG, Backend.TRTLLM])
+@pytest.mark.parametrize("backend", [Backend.SGLANG, Backend.TRTLLM])
 def test_an_encode_worker_over_dynamos_request_plane_has_no_canary_yet_and_says_so(backend):
-    """Dynamo's encode workers take their own request types, which no prober builds yet: no
-    canary, and the reason names the transport it was asked for."""
+    """Dynamo's SGLang and TensorRT-LLM encode workers take their own request types, which no
+    prober builds yet: no canary, and the reason names the transport it was asked for."""
     role = Role(Mode.ENCODE, ModelType.MULTIMODAL)
     plan = plan_canary(CanaryConfig(backend, role, Transport.DYNAMO, enabled=True))
     assert plan.enabled is False
     assert f"no encode canary is known for {backend} over dynamo" in plan.why
+
+
+# What Dynamo 1.6.1's vLLM encode worker answered the tiny Llava's canary (local transfer mode),
+# measured: its request back, the image dropped, with the embeddings' shape and file.
+DYNAMO_ENCODED = {
+    "engine_prompt": {"prompt_token_ids": []},
+    "request_id": "canary-0",
+    "multimodal_inputs": [
+        {
+            "multimodal_input": {"image_url": None, "video_url": None, "image_decoded": None},
+            "image_grid_thw": [],
+            "embeddings_shape": [1, 17, 128],
+            "serialized_request": {
+                "embeddings_shape": [1, 17, 128],
+                "embedding_dtype_str": "float16",
+                "serialized_request": "/tmp/dv-6jk566r2/encoder_cache."
+                "08ebcc02602d4e7c816812290b5c1f52_0.rr3rdun5.safetensors",
+            },
+        }
+    ],
+}
+DYNAMO_FILE = "encoder_cache.08ebcc02602d4e7c816812290b5c1f52_0.rr3rdun5.safetensors"
+
+
+def dynamo_encoder_plan(transfer: EmbeddingTransfer = EmbeddingTransfer.LOCAL):
+    role = Role(Mode.ENCODE, ModelType.MULTIMODAL)
+    config = CanaryConfig(
+        Backend.VLLM, role, Transport.DYNAMO, enabled=True, embedding_transfer=transfer
+    )
+    return plan_canary(config)
+
+
+@pytest.mark.parametrize("transfer", [EmbeddingTransfer.NIXL_WRITE, EmbeddingTransfer.NIXL_READ])
+def test_dynamos_vllm_encode_worker_in_a_nixl_mode_keeps_the_old_rule_and_says_why(transfer):
+    plan = dynamo_encoder_plan(transfer)
+    assert plan.enabled is False
+    assert f"encode worker in {transfer} mode (DYN_VLLM_EMBEDDING_TRANSFER_MODE" in plan.why
+    assert "would hold every later one" in plan.why
+
+
+def test_nixl_write_is_dynamos_default_and_the_sidecars(monkeypatch):
+    """Unset, DYN_VLLM_EMBEDDING_TRANSFER_MODE is nixl-write (ai-dynamo 1.6.1's code, whatever
+    its help text says): no canary until it says local."""
+    base = ENCODER | {"SIDECAR_TRANSPORT": "dynamo", "SIDECAR_ENGINE_URL": "http://w:9090"}
+    unset = Settings.model_validate(base)
+    local = Settings.model_validate(base | {"DYN_VLLM_EMBEDDING_TRANSFER_MODE": "local"})
+    assert plan_canary(unset.canary_config()).enabled is False
+    assert plan_canary(local.canary_config()).enabled is True
+
+
+def test_dynamos_vllm_encode_canary_is_its_multimodal_request_with_a_new_image():
+    plan = dynamo_encoder_plan()
+    assert plan.enabled is True
+    first, second = plan.request(None, "canary-1"), plan.request(None, "canary-2")
+    assert first.expected_tokens == 0
+    assert first.body["request_id"] == "canary-1"
+    assert first.body["engine_prompt"] == {"prompt_token_ids": []}
+    (group,) = first.body["multimodal_inputs"]
+    assert group["multimodal_input"]["image_url"] == data_url(fresh_png("canary-1"))
+    (other,) = second.body["multimodal_inputs"]
+    assert other["multimodal_input"]["image_url"] != group["multimodal_input"]["image_url"]
+
+
+def _streamed(*chunks: Any) -> Received:
+    return Received(Streamed(tuple(chunks)), 0.0, 0.01, 0.0)
+
+
+@pytest.mark.parametrize(
+    ("chunks", "problem"),
+    [
+        ((json.dumps(DYNAMO_ENCODED),), None),  # as the worker yields it: JSON text
+        ((DYNAMO_ENCODED,), None),
+        ((), "0 chunk(s), expected the one answer"),
+        ((json.dumps(DYNAMO_ENCODED),) * 2, "2 chunk(s), expected the one answer"),
+        (("not json",), "the answer is not a JSON object"),
+        ((DYNAMO_ENCODED | {"multimodal_inputs": []},), "no multimodal_inputs in the answer"),
+        (
+            (DYNAMO_ENCODED | {"multimodal_inputs": DYNAMO_ENCODED["multimodal_inputs"] * 2},),
+            "2 multimodal_inputs in the answer, expected 1",
+        ),
+        (
+            (DYNAMO_ENCODED | {"multimodal_inputs": [{"embeddings_shape": None}]},),
+            "no embeddings_shape in the answer: nothing was encoded",
+        ),
+        (
+            (DYNAMO_ENCODED | {"multimodal_inputs": [{"embeddings_shape": [1, 0, 128]}]},),
+            "embeddings_shape [1, 0, 128] is not a tensor's shape",
+        ),
+    ],
+)
+def test_dynamos_encode_answer_is_judged_whole(chunks, problem):
+    plan = dynamo_encoder_plan()
+    request = plan.request(None, "canary-0")
+    result = judge(plan, request, _streamed(*chunks))
+    if problem is None:
+        assert result.outcome is Outcome.SUCCESS, result.reason
+    else:
+        assert result.outcome is Outcome.INVALID
+        assert result.reason.startswith(problem), result.reason
+
+
+@pytest.mark.parametrize(
+    ("path", "names"),
+    [
+        (f"/tmp/dv-6jk566r2/{DYNAMO_FILE}", (DYNAMO_FILE,)),
+        (f"/elsewhere/{DYNAMO_FILE}", (DYNAMO_FILE,)),  # by name: mounted under another path
+        ("/tmp/x/model.safetensors", ()),  # not the local sender's name: never removed
+        ("/tmp/../../etc/encoder_cache.0_0.x.safetensors/..", ()),
+        (None, ()),  # NIXL modes name no file
+    ],
+)
+def test_dynamos_encode_canary_leaves_the_file_its_answer_names(path, names):
+    plan = dynamo_encoder_plan()
+    request = plan.request(None, "canary-0")
+    group = json.loads(json.dumps(DYNAMO_ENCODED["multimodal_inputs"][0]))
+    group["serialized_request"]["serialized_request"] = path
+    answer = [json.dumps(DYNAMO_ENCODED | {"multimodal_inputs": [group]})]
+    assert plan.leftovers(request, answer) == names
+    assert plan.leftovers(request, None) == ()  # no answer: the name is not known yet
+
+
+class _StoppedEncodeWorker:
+    """Dynamo's encode worker, stopped: canaries wait on their streams until ``resume``, then
+    each is answered with a file of its own, written as it is answered."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.sent: list[str] = []
+        self.resumed = asyncio.Event()
+
+    def redact(self, text: str) -> str:
+        return text
+
+    async def send(self, request: Any, deadline: float) -> Received:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        self.sent.append(request.request_id)
+        try:
+            async with asyncio.timeout(deadline):
+                await self.resumed.wait()
+        except TimeoutError:
+            return Received(NoAnswer(Outcome.TIMEOUT, "no answer"), started, loop.time(), 0.0)
+        name = f"encoder_cache.ab_{len(self.sent) - 1}.r{len(self.sent)}.safetensors"
+        (self.root / name).write_bytes(b"embeddings")
+        group = {
+            "embeddings_shape": [1, 17, 128],
+            "serialized_request": {"serialized_request": f"/worker/tmp/{name}"},
+        }
+        body = {"request_id": request.request_id, "multimodal_inputs": [group]}
+        return Received(Streamed((json.dumps(body),)), started, loop.time(), 0.0)
+
+
+def test_a_timed_out_dynamo_encode_canary_is_kept_and_its_late_file_removed(tmp_path):
+    """The encode handler runs a stopped canary to its end when the worker resumes, and names
+    its file only in its answer: the probe keeps the timed-out canary's stream open, sends no
+    other while it runs, and removes the file its late answer names; the user's files stay."""
+    plan = dynamo_encoder_plan()
+    (tmp_path / "encoder_cache.ff_9.users.safetensors").write_bytes(b"someone else's")
+
+    async def main() -> None:
+        with VirtualClock().patch_loop():
+            loop = asyncio.get_running_loop()
+            worker = _StoppedEncodeWorker(tmp_path)
+            sweeper = Leftovers(tmp_path, clock=loop.time, offload=_inline)
+            probe = DynamoCanary(worker, timeout=0.5, clock=loop.time, sweeper=sweeper)
+            results = [await probe(plan, plan.request(None, f"canary-{n}"), None) for n in range(3)]
+            assert [r.outcome for r in results] == [Outcome.TIMEOUT] * 3
+            assert worker.sent == ["canary-0"]  # never more than the one on the worker
+            assert "stays on its stream (Dynamo's encode handler runs it" in results[1].reason
+            worker.resumed.set()
+            result = await probe(plan, plan.request(None, "canary-3"), None)
+            assert (result.outcome, result.request_id) == (Outcome.SUCCESS, "canary-0")
+            assert sorted(p.name for p in tmp_path.iterdir()) == [
+                "encoder_cache.ff_9.users.safetensors"
+            ]
+            result = await probe(plan, plan.request(None, "canary-4"), None)
+            assert (result.outcome, worker.sent[-1]) == (Outcome.SUCCESS, "canary-4")
+            assert sweeper.removed == 2
+            await probe.aclose()
+            assert asyncio.all_tasks() == {asyncio.current_task()}
+
+    asyncio.run(main())
 
 
 def test_the_plans_say_an_encoders_gauges_show_no_work_and_bound_no_stall(tmp_path):
@@ -434,8 +619,6 @@ def test_a_stuck_removal_never_holds_the_canary_back(tmp_path):
         assert f"b/{CACHE_FILE}" in sweeper.waiting
         gate.set()
         await asyncio.sleep(0)
-
-    from aiotools import VirtualClock
 
     async def virtual() -> None:
         with VirtualClock().patch_loop():

@@ -22,6 +22,11 @@ imported eagerly:
 3. NIXL's spinning UCX progress thread (``pthrDelay = 0``): the fix of the plain vLLM tests,
    ``scripts/vllm_sitecustomize/sitecustomize.py``, installed beside this file as
    ``_vllm_sitecustomize.py`` and imported from here.
+4. torchvision for the multimodal encode worker (``--disaggregation-mode encode`` on the tiny
+   Llava): when the ``vllm-encode`` part's directory, which holds PyPI's torchvision, is on
+   ``PYTHONPATH`` too, its own ``sitecustomize.py`` is shadowed by this one; its fix,
+   ``scripts/vllm_mm_site/sitecustomize.py``, installed beside this file as
+   ``_vllm_mm_sitecustomize.py``, is imported from here then (only then).
 
 Installed by ``scripts/prepare_engines.sh --only dynamo-vllm`` into ``$DYNAMO_VLLM_SITE_DIR``.
 """
@@ -30,6 +35,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.abc
+import importlib.util
 import sys
 from collections.abc import Callable
 from types import ModuleType
@@ -123,6 +129,9 @@ class _FixingFinder(importlib.abc.MetaPathFinder):
 
 if not any(type(f).__name__ == "_FixingFinder" for f in sys.meta_path):
     sys.meta_path.insert(0, _FixingFinder())
+
+if importlib.util.find_spec("torchvision") is not None:  # finds, does not import
+    import _vllm_mm_sitecustomize  # noqa: F401  (fix 4: torchvision beside the CPU torch)
 
 try:
     import _vllm_sitecustomize  # noqa: F401  (fix 3: NIXL's progress thread)

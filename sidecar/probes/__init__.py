@@ -18,10 +18,15 @@ from typing import Any
 
 from sidecar.core.endpoint import GENERATE, KV_TRANSFER
 from sidecar.probes.base import CanaryPlan, CanaryRequest, Prober
-from sidecar.probes.dynamo import DynamoSglangProber, DynamoTrtllmProber, DynamoVllmProber
+from sidecar.probes.dynamo import (
+    DynamoSglangProber,
+    DynamoTrtllmProber,
+    DynamoVllmEncoderProber,
+    DynamoVllmProber,
+)
 from sidecar.probes.kinds import Probe, ProbeKind
 from sidecar.probes.openai import OpenAIProber
-from sidecar.probes.role import Backend, Mode, ModelType, Role, Transport
+from sidecar.probes.role import Backend, EmbeddingTransfer, Mode, ModelType, Role, Transport
 from sidecar.probes.sglang import SglangEncoderProber, SglangProber
 from sidecar.probes.transfer import PATH
 from sidecar.probes.trtllm import TrtllmProber
@@ -32,6 +37,7 @@ __all__ = [
     "CanaryConfig",
     "CanaryPlan",
     "CanaryRequest",
+    "EmbeddingTransfer",
     "Mode",
     "ModelType",
     "Probe",
@@ -58,6 +64,7 @@ class CanaryConfig:
     path: str | None = None  # SIDECAR_CANARY_PATH
     dynamo_endpoint: str | None = None  # SIDECAR_DYNAMO_ENDPOINT
     bootstrap_port: int = 8998  # SIDECAR_SGLANG_BOOTSTRAP_PORT
+    embedding_transfer: EmbeddingTransfer = EmbeddingTransfer.NIXL_WRITE  # DYN_VLLM_EMBEDDING_...
 
 
 #: The role whose canary goes to an image encoder (SIDECAR_DISAGGREGATION_MODE=encode with
@@ -69,6 +76,8 @@ def prober_for(config: CanaryConfig) -> Prober:
     if config.transport is Transport.DYNAMO:
         endpoint = config.dynamo_endpoint or GENERATE
         match config.backend:
+            case Backend.VLLM if config.role == ENCODER:
+                return DynamoVllmEncoderProber(endpoint, config.embedding_transfer)
             case Backend.VLLM:
                 return DynamoVllmProber(endpoint)
             case Backend.SGLANG:

@@ -99,8 +99,11 @@ class Sweeper(Protocol):
         ...
 
 
-def parsed_json(answer: Answer | Streamed | NoAnswer) -> Any:
-    """A 200 JSON answer's parsed body, or None."""
+def parsed_answer(answer: Answer | Streamed | NoAnswer) -> Any:
+    """What a prober reads of a whole answer: a 200 JSON answer's parsed body, or a stream's
+    chunks (a list) when it did not end on an error event; else None."""
+    if isinstance(answer, Streamed):
+        return None if answer.error is not None else list(answer.chunks)
     if not isinstance(answer, Answer) or answer.status != 200:
         return None
     try:

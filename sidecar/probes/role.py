@@ -35,3 +35,12 @@ class ModelType(StrEnum):
 class Role:
     mode: Mode
     model_type: ModelType
+
+
+class EmbeddingTransfer(StrEnum):
+    """How Dynamo's vLLM encode worker hands its embeddings on (DYN_VLLM_EMBEDDING_TRANSFER_MODE,
+    its ``--embedding-transfer-mode``; nixl-write when unset, as its code has it)."""
+
+    LOCAL = "local"  # a file in the worker's TMPDIR, named in the answer
+    NIXL_WRITE = "nixl-write"
+    NIXL_READ = "nixl-read"

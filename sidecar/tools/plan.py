@@ -325,10 +325,20 @@ def _leftover_lines(plan: CanaryPlan, s: Settings) -> list[str]:
         return []
     if s.ec_storage_path is None:
         return [f"  leftovers    {leaves}: left there (SIDECAR_EC_STORAGE_PATH unset)"]
+    late = "its late answer names it" if plan.prober.keeps_abandoned else "it appears"
     return [
         f"  leftovers    {leaves}: removed from {s.ec_storage_path} after each canary, and a "
-        "timed-out canary's once it appears"
+        f"timed-out canary's once {late}"
     ]
+
+
+def _dynamo_timeout(plan: CanaryPlan) -> str:
+    if plan.prober.keeps_abandoned and plan.override is None:
+        return (
+            f"kept open when it times out ({plan.prober.kept_because}): no other is sent "
+            "until it ends"
+        )
+    return "stopped on the worker when it times out"
 
 
 def _canary_lines(plan: CanaryPlan, s: Settings) -> list[str]:
@@ -344,7 +354,7 @@ def _canary_lines(plan: CanaryPlan, s: Settings) -> list[str]:
             f"  request      over the request plane, direct to the instance of {plan.path}"
             " (never a frontend or router)",
             f"  payload      {json.dumps(_example_body(plan, s))}",
-            "  context      id canary-<uuid>; stopped on the worker when it times out",
+            f"  context      id canary-<uuid>; {_dynamo_timeout(plan)}",
         ]
     else:
         example = plan.request(None, "canary-<uuid>")

@@ -62,7 +62,7 @@ from tests.support.vllm_engine import (
 )
 
 START_TIMEOUT = 300.0  # listed after 42-83 s on 2 cores (the slow one beside other tests)
-MODES = ("aggregated", "prefill", "decode")
+MODES = ("aggregated", "prefill", "decode", "encode")
 # What dynamo.vllm's own canary sends (BOS 0 for the tiny Llama): one greedy token.
 CANARY_PAYLOAD: dict[str, Any] = {
     "token_ids": [0],
@@ -132,7 +132,10 @@ class DynamoVllmWorker(SystemServer, MetricsServer):
         env: dict[str, str] | None = None,
     ) -> None:
         assert mode in MODES, mode
-        self.paths = require("DYNAMO_VLLM_PYTHON", "DYNAMO_VLLM_SITE_DIR", "VLLM_MODEL_DIR")
+        names = ["DYNAMO_VLLM_PYTHON", "DYNAMO_VLLM_SITE_DIR", "VLLM_MODEL_DIR"]
+        if mode == "encode":  # the tiny Llava, and torchvision for its image processor
+            names += ["VLLM_MM_MODEL_DIR", "VLLM_MM_SITE_DIR"]
+        self.paths = require(*names)
         super().__init__()  # its system server's port: below 32768, Dynamo parses it as an i16
         self.mode = mode
         self.kv_dir = Path(kv_dir)
@@ -140,7 +143,7 @@ class DynamoVllmWorker(SystemServer, MetricsServer):
         self.nice = nice
         self.extra = list(extra)
         self.extra_env = dict(env or {})
-        self.side_channel_port = free_port() if mode != "aggregated" else None
+        self.side_channel_port = free_port() if mode in ("prefill", "decode") else None
         self.listed_after: float | None = None  # seconds from start to the instance in /metrics
         self._tmpdir: Path | None = None
         self._instance: tuple[str, int] | None = None
@@ -165,7 +168,11 @@ class DynamoVllmWorker(SystemServer, MetricsServer):
             # vLLM's compute threads on core 0: the other core stays for the test and sidecar.
             "VLLM_CPU_OMP_THREADS_BIND": "0",
             # The import-time fixes (and NIXL's calmer progress thread), in every process.
-            "PYTHONPATH": os.pathsep.join(p for p in (site, os.environ.get("PYTHONPATH")) if p),
+            "PYTHONPATH": os.pathsep.join(
+                p
+                for p in (site, self.paths.get("VLLM_MM_SITE_DIR"), os.environ.get("PYTHONPATH"))
+                if p
+            ),
             # Dynamo's Prometheus multiprocess directory and the like: removed by close().
             "TMPDIR": str(self.tmpdir),
         }
@@ -175,6 +182,8 @@ class DynamoVllmWorker(SystemServer, MetricsServer):
         }
         if self.health_check:
             env["DYN_HEALTH_CHECK_ENABLED"] = "true"
+        if self.mode == "encode":  # the embeddings go to a file in its TMPDIR, named in the answer
+            env["DYN_VLLM_EMBEDDING_TRANSFER_MODE"] = "local"
         if self.side_channel_port is not None:
             env |= {
                 "UCX_NET_DEVICES": "lo",
@@ -187,10 +196,13 @@ class DynamoVllmWorker(SystemServer, MetricsServer):
 
     def argv(self) -> list[str]:
         argv = [self.paths["DYNAMO_VLLM_PYTHON"], "-m", "dynamo.vllm"]
-        argv += ["--model", self.paths["VLLM_MODEL_DIR"], "--served-model-name", MODEL]
+        model = self.paths["VLLM_MM_MODEL_DIR" if self.mode == "encode" else "VLLM_MODEL_DIR"]
+        argv += ["--model", model, "--served-model-name", MODEL]
         argv += ["--max-model-len", str(MAX_MODEL_LEN), "--dtype", "float32"]
         argv += ["--discovery-backend", "file", "--request-plane", "tcp", "--event-plane", "zmq"]
-        if self.mode != "aggregated":
+        if self.mode == "encode":
+            argv += ["--disaggregation-mode", self.mode]
+        elif self.mode != "aggregated":
             role = "kv_producer" if self.mode == "prefill" else "kv_consumer"
             config = {"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu"}
             argv += ["--disaggregation-mode", self.mode]
@@ -209,8 +221,10 @@ class DynamoVllmWorker(SystemServer, MetricsServer):
     def ready(self) -> tuple[str, int] | None:
         """Its system server's /metrics names one instance of a generate endpoint: (its path,
         the instance)."""
-        # Prefill registers dynamo.prefill.generate, aggregated and decode dynamo.backend.generate.
-        path = "dynamo.prefill.generate" if self.mode == "prefill" else "dynamo.backend.generate"
+        # Prefill registers dynamo.prefill.generate, encode dynamo.encode.generate, aggregated and
+        # decode dynamo.backend.generate.
+        component = self.mode if self.mode in ("prefill", "encode") else "backend"
+        path = f"dynamo.{component}.generate"
         instances = endpoint_instances(self.metrics_text(), path)
         if len(instances) > 1:
             raise AssertionError(f"{self.name}: several instances of {path}: {instances}")
