@@ -69,9 +69,14 @@ class Canary:
         self._kept: dict[str, tuple[asyncio.Task[Result], str]] = {}
 
     async def aclose(self) -> None:
-        """Cancel the canaries still kept on their connections, and wait for them to end."""
+        """Give the canaries still kept on the engine (the one in flight when the sidecar stops
+        among them) up to one canary timeout to end, so that what their answers name is
+        removed (Dynamo's encode worker writes its file whatever its caller does); then cancel
+        the rest, and wait for them to end."""
         tasks = [task for task, _ in self._kept.values()]
         self._kept.clear()
+        if tasks:
+            await asyncio.wait(tasks, timeout=self.timeout)
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
