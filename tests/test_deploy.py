@@ -66,7 +66,7 @@ PROFILES = {
 DYNAMO_PROFILES = {
     f"dynamo-{backend}-{mode}": (backend, mode)
     for backend, modes in {
-        "vllm": ("aggregated", "prefill", "decode"),
+        "vllm": ("aggregated", "prefill", "decode", "encode"),
         "sglang": ("prefill", "decode"),
         "trtllm": ("prefill", "decode"),
     }.items()

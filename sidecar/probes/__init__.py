@@ -6,8 +6,8 @@ API ``vllm.py``, ``sglang.py``, ``trtllm.py`` or ``openai.py``; over Dynamo's re
 (SIDECAR_TRANSPORT=dynamo) ``dynamo/vllm.py``, ``dynamo/sglang.py`` or ``dynamo/trtllm.py``.
 An image encoder's canary is its backend's encoder prober, beside it (``vllm.py``:
 ``VllmEncoderProber``), with its image made in ``image.py``.
-How is its answer judged? ``judge.py``. How is it sent and stopped? ``http.py`` and
-``dynamo/canary.py``, one probe per kind (``kinds.py``).
+How is its answer judged? ``judge.py``. How is it sent and stopped? ``canary.py``, through one
+probe per kind (``kinds.py``: ``http.py``, ``dynamo/canary.py``).
 """
 
 from __future__ import annotations
