@@ -770,8 +770,9 @@ async def vllm_encode_freeze(rng: random.Random) -> Rep:
                 rep = results(rig, fault, recovery, before)
                 own_health_row(rep, own, fault, recovery)
                 rep.facts.append(
-                    "Dynamo 1.6.1 registers no canary for its encode worker (read in its code, "
-                    "not run here): it is ready while its endpoint is registered"
+                    "Dynamo 1.6.1 registers no canary for its encode worker; run beside the "
+                    "sidecar (tests/test_dynamo_vllm_encode.py, local transfer mode, where the "
+                    "sidecar now sends one), its own /health said 503 notready all its life"
                 )
                 await wait_for(lambda: not server.stored(), 5.0)
                 rep.facts.append(f"files left in the encoder's storage: {len(server.stored())}")
