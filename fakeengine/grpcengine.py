@@ -100,9 +100,9 @@ def check_supported(backend: str, mode: str) -> str | None:
 
 async def start(state: EngineState, host: str, port: int) -> GrpcEngine:
     """Serve the backend's gRPC generation service on host:port (0: the OS picks; the bound port
-    is the answer's ``port``). vLLM's server also serves grpc.health.v1. Raises ValueError for a
-    backend or mode without one, ImportError without smg_grpc_proto, RuntimeError when the port
-    cannot be bound (no SO_REUSEPORT: a taken port fails)."""
+    is the answer's ``port``). vLLM's and SGLang's servers also serve grpc.health.v1. Raises
+    ValueError for a backend or mode without one, ImportError without smg_grpc_proto,
+    RuntimeError when the port cannot be bound (no SO_REUSEPORT: a taken port fails)."""
     config = state.config
     refusal = check_supported(config.backend, config.mode)
     if refusal is not None:
@@ -110,8 +110,9 @@ async def start(state: EngineState, host: str, port: int) -> GrpcEngine:
     servicer = SERVICERS[config.backend](state)
     server = grpc.aio.server(options=(("grpc.so_reuseport", 0),))
     server.add_generic_rpc_handlers((servicer.handler(),))
-    if config.backend == "vllm":
-        health_pb2_grpc.add_HealthServicer_to_server(FakeVllmHealth(state), server)
+    if config.backend in ("vllm", "sglang"):  # both servicers serve grpc.health.v1 beside it
+        services = ("", servicer.service)
+        health_pb2_grpc.add_HealthServicer_to_server(FakeVllmHealth(state, services), server)
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     bound = server.add_insecure_port(address)
     await server.start()

@@ -32,11 +32,15 @@ GRACE = 0.5  # seconds calls in flight get at shutdown
 
 
 class FakeVllmHealth(health_pb2_grpc.HealthServicer):
-    def __init__(self, state: EngineState) -> None:
+    """``services``: the names it knows; SGLang's --smg-grpc-mode server (smg-grpc-servicer's
+    SGLangHealthServicer) serves "" and ``sglang.grpc.scheduler.SglangScheduler`` the same way."""
+
+    def __init__(self, state: EngineState, services: tuple[str, ...] = SERVICES) -> None:
         self.state = state
+        self.services = services
 
     async def _status(self, service: str) -> int | None:
-        if service not in SERVICES:
+        if service not in self.services:
             return None
         faults = self.state.faults
         if faults.health_latency:

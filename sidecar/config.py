@@ -14,14 +14,14 @@ import json
 import os
 import re
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
 from dotenv import dotenv_values
-from pydantic import Field, SecretStr, ValidationError, field_validator
+from pydantic import Field, SecretStr, ValidationError, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from sidecar.core.endpoint import KV_TRANSFER, MONITORED_ENDPOINTS, OPTIONAL_ENDPOINTS
@@ -220,8 +220,10 @@ class Settings(BaseSettings):
         "http://127.0.0.1:8000",
         "Base URL of the local engine. Every request the sidecar makes goes here. With "
         "SIDECAR_TRANSPORT=dynamo: the worker's system server (DYN_SYSTEM_PORT, "
-        "http://127.0.0.1:9090 in a pod), where the sidecar finds the worker's instance.",
-        "an http:// or https:// URL with a host and no query",
+        "http://127.0.0.1:9090 in a pod), where the sidecar finds the worker's instance. With "
+        "SIDECAR_TRANSPORT=grpc: the engine's gRPC server, grpc://HOST:PORT.",
+        "an http:// or https:// URL with a host and no query (grpc://HOST:PORT with "
+        "SIDECAR_TRANSPORT=grpc)",
     )
     transport: Transport = _env(
         "SIDECAR_TRANSPORT",
@@ -229,8 +231,11 @@ class Settings(BaseSettings):
         "How canaries reach the engine: http, its own HTTP API at SIDECAR_ENGINE_URL; dynamo, "
         "Dynamo's request plane, straight to the instance of the worker whose system server is "
         "SIDECAR_ENGINE_URL (a Dynamo worker serves no HTTP generation API); needs "
-        "pip install 'health-sidecar[dynamo]'.",
-        "http or dynamo",
+        "pip install 'health-sidecar[dynamo]'; grpc, the engine's gRPC generation service at "
+        "SIDECAR_ENGINE_URL (grpc://HOST:PORT: vLLM's gRPC server, SGLang's --smg-grpc-mode, "
+        "TensorRT-LLM's; the services SGLang Model Gateway routes to), on the engines' own "
+        "stubs: pip install 'health-sidecar[grpc]'.",
+        "http, dynamo or grpc",
     )
     dynamo_endpoint: str | None = _env(
         "SIDECAR_DYNAMO_ENDPOINT",
@@ -350,6 +355,15 @@ class Settings(BaseSettings):
         "health (no canary is sent to a busy, progressing engine); work in flight with no "
         "progress for SIDECAR_STALL_WINDOW is a hang.",
         "true or false",
+    )
+    metrics_url: str | None = _env(
+        "SIDECAR_METRICS_URL",
+        None,
+        "With SIDECAR_TRANSPORT=grpc: the base URL of the engine's Prometheus metrics, served "
+        "over HTTP beside its gRPC server (SGLang --smg-grpc-mode with --enable-metrics: its "
+        "side server on the gRPC port + 1). Unset: no metrics are read (vLLM's gRPC server "
+        "serves none): the canary alone decides, and the stall rule is off.",
+        "an http:// or https:// URL with a host and no query",
     )
     metrics_path: str | None = _env(
         "SIDECAR_METRICS_PATH",
@@ -568,9 +582,22 @@ class Settings(BaseSettings):
         return "auto" if _pins_ranks(self) and self.transport is Transport.HTTP else 1
 
     @property
+    def grpc_engine(self) -> GrpcTarget | None:
+        """SIDECAR_ENGINE_URL parsed as the engine's gRPC server (SIDECAR_TRANSPORT=grpc)."""
+        return grpc_target(self.engine_url) if self.transport is Transport.GRPC else None
+
+    @property
     def grpc_registration(self) -> GrpcTarget | None:
-        """SIDECAR_REGISTRATION parsed (validated at load), or None: the HTTP route."""
-        return None if self.registration is None else grpc_target(self.registration)
+        """The grpc.health.v1 service the registration check asks for: SIDECAR_REGISTRATION
+        (validated at load), or with SIDECAR_TRANSPORT=grpc the engine server's own where it
+        serves one; None: the HTTP route (over gRPC: the service's GetModelInfo)."""
+        if self.registration is not None:
+            return grpc_target(self.registration)
+        engine = self.grpc_engine
+        if engine is None:
+            return None
+        service = getattr(prober_for(self.canary_config()), "health_service", None)
+        return None if service is None else replace(engine, service=service)
 
     @property
     def effective_stall_window(self) -> float:
@@ -669,11 +696,15 @@ class Settings(BaseSettings):
             raise ValueError("not a token: only visible ASCII characters, no spaces")
         return value
 
-    @field_validator("engine_url", "kv_peer_url")
+    @field_validator("engine_url", "kv_peer_url", "metrics_url")
     @classmethod
-    def _url(cls, value: str | None) -> str | None:
+    def _url(cls, value: str | None, info: ValidationInfo) -> str | None:
         if value is None:
             return None
+        if info.field_name == "engine_url" and value.startswith("grpc:"):
+            if grpc_target(value).service:  # raises ValueError naming what is wrong
+                raise ValueError("a grpc:// engine URL names no service: grpc://HOST:PORT")
+            return value.rstrip("/")
         try:
             parts = urlsplit(value)
             port = parts.port
@@ -807,7 +838,11 @@ def _vllm_encoder(s: Settings) -> bool:
         Backend.VLLM,
         Mode.ENCODE,
         ModelType.MULTIMODAL,
-    )
+    ) and not _grpc(s)
+
+
+def _grpc(s: Settings) -> bool:
+    return s.transport is Transport.GRPC
 
 
 def _taken_by_grpc(s: Settings) -> str:
@@ -855,7 +890,8 @@ RULES: tuple[Rule, ...] = (
         lambda s: s.ec_storage_path is not None and not _vllm_encoder(s),
         lambda s: (
             "unset (only a vLLM encoder's canary writes there: SIDECAR_BACKEND=vllm, "
-            "SIDECAR_DISAGGREGATION_MODE=encode, SIDECAR_MODEL_TYPE=multimodal)"
+            "SIDECAR_DISAGGREGATION_MODE=encode, SIDECAR_MODEL_TYPE=multimodal, over http or "
+            "dynamo)"
         ),
     ),
     Rule(
@@ -877,6 +913,62 @@ RULES: tuple[Rule, ...] = (
         "dynamo_endpoint",
         lambda s: not _dynamo(s) and s.dynamo_endpoint is not None,
         lambda s: f"unset ({_TRANSPORT}={s.transport} sends no request over Dynamo's plane)",
+    ),
+    Rule(
+        "engine_url",
+        lambda s: _grpc(s) != s.engine_url.startswith("grpc:"),
+        lambda s: (
+            f"grpc://HOST:PORT with {_TRANSPORT}=grpc (the engine's gRPC server)"
+            if _grpc(s)
+            else f"an http(s) URL ({_TRANSPORT}={s.transport} speaks HTTP to it)"
+        ),
+    ),
+    Rule(
+        "backend",
+        lambda s: _grpc(s) and s.backend not in DYNAMO_BACKENDS,
+        lambda s: (
+            f"one of {', '.join(b.value for b in DYNAMO_BACKENDS)} with {_TRANSPORT}=grpc "
+            "(the engines whose gRPC services SGLang Model Gateway speaks)"
+        ),
+        lambda s: repr(s.backend.value),
+    ),
+    Rule(
+        "metrics_url",
+        lambda s: not _grpc(s) and s.metrics_url is not None,
+        lambda s: (
+            f"unset ({_TRANSPORT}={s.transport} reads the metrics at SIDECAR_ENGINE_URL; "
+            "only the gRPC transport reads them elsewhere)"
+        ),
+    ),
+    Rule(
+        "dp_ranks",
+        lambda s: _grpc(s) and s.dp_ranks not in (None, 1),
+        lambda s: f"1 with {_TRANSPORT}=grpc (canaries over gRPC are not pinned to a rank)",
+        lambda s: str(s.dp_ranks),
+    ),
+    Rule(
+        "kv_peer_url",
+        lambda s: _grpc(s) and s.kv_peer_url is not None,
+        lambda s: f"unset with {_TRANSPORT}=grpc (the transfer probe speaks vLLM's HTTP API)",
+    ),
+    Rule(
+        "canary_path",
+        lambda s: _grpc(s) and s.canary_path is not None,
+        lambda s: f"unset with {_TRANSPORT}=grpc (the canary is the service's Generate call)",
+    ),
+    Rule(
+        "registration_path",
+        lambda s: _grpc(s) and s.registration_path is not None,
+        lambda s: (
+            f"unset with {_TRANSPORT}=grpc (the registration check is a gRPC call; "
+            f"{env_name('registration')} names another grpc.health.v1 service)"
+        ),
+    ),
+    Rule(
+        "engine_api_key",
+        lambda s: _grpc(s) and s.engine_api_key is not None,
+        lambda s: f"unset with {_TRANSPORT}=grpc (the gRPC channel sends no bearer token)",
+        lambda s: "<hidden>",
     ),
     Rule(
         "backend",

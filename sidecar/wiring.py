@@ -35,6 +35,7 @@ from sidecar.core.observations import Observation
 from sidecar.core.snapshot import first_snapshot
 from sidecar.probes import CanaryPlan, Transport, plan_canary, plan_transfer_probe
 from sidecar.probes.dynamo.canary import DynamoCanary
+from sidecar.probes.grpc.canary import GrpcCanary
 from sidecar.probes.http import HttpCanary
 from sidecar.probes.kinds import Probe, ProbeKind
 from sidecar.probes.transfer import TransferProbe
@@ -52,6 +53,7 @@ from sidecar.surface.metrics import Metrics
 if TYPE_CHECKING:
     import httpx
 
+    from sidecar.runtime.grpcengine import GrpcEngine
     from sidecar.runtime.grpcregistration import GrpcRegistration
     from sidecar.runtime.requestplane.worker import DynamoWorker
 
@@ -121,6 +123,8 @@ def missing_for(settings: Settings) -> str | None:
     storage = settings.ec_storage_path
     if storage is not None and not Path(storage).is_dir():
         return f"SIDECAR_EC_STORAGE_PATH={storage}: expected a directory here (it is not one)"
+    if settings.transport is Transport.GRPC:
+        return _stubs_missing()
     if settings.transport is not Transport.DYNAMO:
         return None
     why = runtime_missing()
@@ -129,6 +133,22 @@ def missing_for(settings: Settings) -> str | None:
     return (
         f"SIDECAR_TRANSPORT=dynamo: expected Dynamo's runtime client installed "
         f"({install_hint('dynamo')}): {why}"
+    )
+
+
+def _stubs_missing() -> str | None:
+    """Why the engines' gRPC stubs (smg-grpc-proto) are not installed here, or None."""
+    try:
+        spec = importlib.util.find_spec("smg_grpc_proto")
+    except ImportError as exc:
+        spec, why = None, f"{type(exc).__name__}: {exc}"
+    else:
+        why = "No module named 'smg_grpc_proto'"
+    if spec is not None:
+        return None
+    return (
+        f"SIDECAR_TRANSPORT=grpc: expected the engines' gRPC stubs installed "
+        f"({install_hint('grpc')}): {why}"
     )
 
 
@@ -153,16 +173,25 @@ async def monitor_main(
     plan = plans[next(iter(plans))]
     clients = _Clients(settings, health.clock, connect)
     async with contextlib.AsyncExitStack() as stack:
-        engine = clients.make(stack, settings.engine_url, settings.request_timeout)
+        engine = clients.make(stack, _http_url(settings), settings.request_timeout)
         worker = None
         if settings.transport is Transport.DYNAMO:
             worker = await _dynamo_worker(settings, engine, plan, stack, health.clock, private_dir)
-        probes = _probes(settings, clients, stack, worker, health.clock, offload)
+        grpc_engine = _grpc_engine(settings, plan, stack, health.clock)
+        probes = _probes(settings, clients, stack, worker, health.clock, offload, grpc_engine)
+        registration = _grpc_registration(settings, stack, health.clock)
+        if registration is None and grpc_engine is not None:
+            from sidecar.runtime.grpcengine import RpcRegistration
+
+            registration = RpcRegistration(
+                grpc_engine, plan.prober.registration_path, timeout=settings.request_timeout
+            )
+        metrics = bool(plan.prober.progress.every()) and _reads_metrics(settings)
         monitor = Monitor(
             health,
-            EngineParts(engine, probes, worker, _grpc_registration(settings, stack, health.clock)),
+            EngineParts(engine, probes, worker, registration),
             plans,
-            settings.timing(plan.enabled, metrics=bool(plan.prober.progress.every())),
+            settings.timing(plan.enabled, metrics=metrics),
             Routes(
                 registration_path(settings, plan),
                 settings.metrics_path,
@@ -205,6 +234,41 @@ class _Clients:
         return client
 
 
+def _http_url(settings: Settings) -> str:
+    """Where the engine client reads the engine's HTTP routes: SIDECAR_ENGINE_URL, or over gRPC
+    SIDECAR_METRICS_URL (unset: no route is read, and the client is never used)."""
+    if settings.transport is not Transport.GRPC:
+        return settings.engine_url
+    target = settings.grpc_engine
+    assert target is not None
+    return settings.metrics_url or f"http://{target.address}"
+
+
+def _reads_metrics(settings: Settings) -> bool:
+    """Whether the engine's metrics are reachable: over gRPC only at SIDECAR_METRICS_URL."""
+    return settings.transport is not Transport.GRPC or settings.metrics_url is not None
+
+
+def _grpc_engine(
+    settings: Settings,
+    plan: CanaryPlan,
+    stack: contextlib.AsyncExitStack,
+    clock: Callable[[], float],
+) -> GrpcEngine | None:
+    """The engine's gRPC server (SIDECAR_TRANSPORT=grpc; grpcio and the stubs imported only
+    then)."""
+    target = settings.grpc_engine
+    if target is None:
+        return None
+    from sidecar.runtime.grpcengine import GrpcEngine
+
+    module = getattr(plan.prober, "grpc_module", None)
+    assert isinstance(module, str), plan.prober
+    engine = GrpcEngine(target, (module,), interval=settings.registration_interval, clock=clock)
+    stack.push_async_callback(engine.aclose)
+    return engine
+
+
 def _probes(
     settings: Settings,
     clients: _Clients,
@@ -212,6 +276,7 @@ def _probes(
     worker: DynamoWorker | None,
     clock: Callable[[], float],
     offload: Offload = in_thread,
+    grpc_engine: GrpcEngine | None = None,
 ) -> dict[ProbeKind, Probe]:
     """One probe per kind the configuration uses (sidecar.probes.kinds)."""
     timeout = settings.request_timeout
@@ -228,6 +293,10 @@ def _probes(
     if worker is not None:
         probes[ProbeKind.DYNAMO] = DynamoCanary(
             worker, timeout=timeout, clock=clock, sweeper=sweeper
+        )
+    if grpc_engine is not None:
+        probes[ProbeKind.GRPC] = GrpcCanary(
+            grpc_engine, timeout=timeout, clock=clock, sweeper=sweeper
         )
     if settings.kv_peer_url is not None:
         kv_timeout = settings.kv_probe_timeout

@@ -344,6 +344,10 @@ def _secret(value: Any) -> Any:
     return value.get_secret_value() if value is not None else None
 
 
+# The gRPC transport, with its engine URL (SIDECAR_TRANSPORT=grpc needs a grpc:// one).
+GRPC_ENGINE = {"SIDECAR_TRANSPORT": "grpc", "SIDECAR_ENGINE_URL": "grpc://127.0.0.1:50051"}
+
+
 def kind_of(name: str) -> Kind | None:
     """The strategies for one environment variable, or None when it has none (a test fails)."""
     _key, field = field_of(name)
@@ -357,6 +361,7 @@ def kind_of(name: str) -> Kind | None:
         "DYN_HEALTH_CHECK_PAYLOAD": lambda: Kind(*payload_strategies(), parsed=_payload),
         "SIDECAR_ENGINE_URL": lambda: Kind(*url_strategies(), parsed=lambda v: v.rstrip("/")),
         "SIDECAR_KV_PEER_URL": lambda: Kind(*url_strategies(), parsed=lambda v: v.rstrip("/")),
+        "SIDECAR_METRICS_URL": lambda: Kind(*url_strategies(), parsed=lambda v: v.rstrip("/")),
         "SIDECAR_REGISTRATION": lambda: Kind(*grpc_target_strategies(), parsed=lambda v: v),
         "DYN_SYSTEM_HOST": lambda: Kind(
             None,
@@ -516,6 +521,10 @@ def test_valid_value_is_taken_as_given(
         "SIDECAR_DP_MIN_READY_RANKS": {"SIDECAR_DP_RANKS": "1024"},
         "SIDECAR_KV_PEER_URL": {"SIDECAR_DISAGGREGATION_MODE": "decode"},
         "SIDECAR_DYNAMO_ENDPOINT": {"SIDECAR_TRANSPORT": "dynamo"},
+        "SIDECAR_METRICS_URL": GRPC_ENGINE,
+        "SIDECAR_TRANSPORT": {"SIDECAR_ENGINE_URL": GRPC_ENGINE["SIDECAR_ENGINE_URL"]}
+        if value == "grpc"
+        else {},
         "SIDECAR_EC_STORAGE_PATH": {
             "SIDECAR_DISAGGREGATION_MODE": "encode",
             "SIDECAR_MODEL_TYPE": "multimodal",

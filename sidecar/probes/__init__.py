@@ -3,11 +3,13 @@ endpoint's canary.
 
 Where is a decode canary built? In the backend's module, method ``body``: over the engine's HTTP
 API ``vllm.py``, ``sglang.py``, ``trtllm.py`` or ``openai.py``; over Dynamo's request plane
-(SIDECAR_TRANSPORT=dynamo) ``dynamo/vllm.py``, ``dynamo/sglang.py`` or ``dynamo/trtllm.py``.
+(SIDECAR_TRANSPORT=dynamo) ``dynamo/vllm.py``, ``dynamo/sglang.py`` or ``dynamo/trtllm.py``;
+over the engine's gRPC service (SIDECAR_TRANSPORT=grpc) ``grpc/vllm.py``, ``grpc/sglang.py`` or
+``grpc/trtllm.py``.
 An image encoder's canary is its backend's encoder prober, beside it (``vllm.py``:
 ``VllmEncoderProber``), with its image made in ``image.py``.
 How is its answer judged? ``judge.py``. How is it sent and stopped? ``canary.py``, through one
-probe per kind (``kinds.py``: ``http.py``, ``dynamo/canary.py``).
+probe per kind (``kinds.py``: ``http.py``, ``dynamo/canary.py``, ``grpc/canary.py``).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from sidecar.probes.dynamo import (
     DynamoVllmEncoderProber,
     DynamoVllmProber,
 )
+from sidecar.probes.grpc import GrpcSglangProber, GrpcTrtllmProber, GrpcVllmProber
 from sidecar.probes.kinds import Probe, ProbeKind
 from sidecar.probes.openai import OpenAIProber
 from sidecar.probes.role import Backend, EmbeddingTransfer, Mode, ModelType, Role, Transport
@@ -86,6 +89,16 @@ def prober_for(config: CanaryConfig) -> Prober:
                 return DynamoTrtllmProber(endpoint)
             case Backend.OPENAI:  # refused by the configuration's checks
                 raise ValueError("no Dynamo worker speaks the openai backend")
+    if config.transport is Transport.GRPC:
+        match config.backend:
+            case Backend.VLLM:
+                return GrpcVllmProber()
+            case Backend.SGLANG:
+                return GrpcSglangProber(config.bootstrap_port)
+            case Backend.TRTLLM:
+                return GrpcTrtllmProber()
+            case Backend.OPENAI:  # refused by the configuration's checks
+                raise ValueError("no openai engine serves a gRPC generation service")
     match config.backend:
         case Backend.VLLM if config.role == ENCODER:
             return VllmEncoderProber()
@@ -117,7 +130,9 @@ def plan_canary(config: CanaryConfig, endpoint: str = GENERATE) -> CanaryPlan:
     prober = prober_for(config)
     path = config.path or prober.generation_path
     override = dict(config.payload) if config.payload is not None else None
-    kind = ProbeKind.DYNAMO if config.transport is Transport.DYNAMO else ProbeKind.HTTP
+    kind = {Transport.DYNAMO: ProbeKind.DYNAMO, Transport.GRPC: ProbeKind.GRPC}.get(
+        config.transport, ProbeKind.HTTP
+    )
 
     def plan(enabled: bool, why: str) -> CanaryPlan:
         return CanaryPlan(endpoint, enabled, why, prober, config.role, path, override, probe=kind)

@@ -26,6 +26,7 @@ class ProbeKind(StrEnum):
 
     HTTP = "http"
     DYNAMO = "dynamo"
+    GRPC = "grpc"
     TRANSFER = "transfer"
 
     @property

@@ -33,7 +33,14 @@ from dataclasses import replace
 
 from sidecar.core.evidence.result import Outcome, Result
 from sidecar.probes.base import CanaryPlan, CanaryRequest
-from sidecar.probes.exchange import Channel, NoAnswer, Received, Sweeper, parsed_answer
+from sidecar.probes.exchange import (
+    Channel,
+    NoAnswer,
+    Received,
+    Streamed,
+    Sweeper,
+    parsed_answer,
+)
 from sidecar.probes.judge import judge
 
 #: The abort's own deadline: short, since it is sent to an engine that just failed to answer.
@@ -126,6 +133,8 @@ class Canary:
             return f"its abort failed ({what}: {type(exc).__name__}: {exc})"
         if isinstance(answer, NoAnswer):
             return f"its abort failed ({answer.reason})"
+        if isinstance(answer, Streamed):  # a call (gRPC): answered with status OK
+            return f"stopped on the engine ({what} -> OK)"
         status = getattr(answer, "status", None)
         if status != 200:
             return f"its abort failed ({what} -> {status})"

@@ -8,6 +8,8 @@ Each kind lives in a file of its own:
 - ``dynamo``: a canary over Dynamo's request plane, straight to this pod's worker instance
   (:mod:`sidecar.probes.dynamo.canary`; its payload per backend in
   ``sidecar/probes/dynamo/<backend>.py``);
+- ``grpc``: a canary over the engine's gRPC generation service (:mod:`sidecar.probes.grpc.canary`;
+  its request per backend in ``sidecar/probes/grpc/<backend>.py``);
 - ``transfer``: the KV transfer probe of a vLLM decode worker (:mod:`sidecar.probes.transfer`).
 
 The monitor holds one map from kind to probe (built in :mod:`sidecar.wiring`) and sends

