@@ -600,6 +600,12 @@ class Settings(BaseSettings):
         return None if service is None else replace(engine, service=service)
 
     @property
+    def metrics_reachable(self) -> bool:
+        """Whether the engine's metrics can be read at all: over gRPC only at
+        SIDECAR_METRICS_URL (vLLM's gRPC server serves none)."""
+        return self.transport is not Transport.GRPC or self.metrics_url is not None
+
+    @property
     def effective_stall_window(self) -> float:
         if self.stall_window is not None:
             return self.stall_window
@@ -639,7 +645,7 @@ class Settings(BaseSettings):
         """The monitor's schedule; ``canary``: the endpoint's plan sends canaries (the engine's
         metrics are read, and its ranks counted, only then); ``metrics``: its prober reads any
         series of them (SGLang's encoder: none)."""
-        reads = canary and metrics and self.progress_enabled
+        reads = canary and metrics and self.progress_enabled and self.metrics_reachable
         return Timing(
             registration=self.registration_interval,
             metrics=self.metrics_interval if reads else None,

@@ -186,7 +186,7 @@ async def monitor_main(
             registration = RpcRegistration(
                 grpc_engine, plan.prober.registration_path, timeout=settings.request_timeout
             )
-        metrics = bool(plan.prober.progress.every()) and _reads_metrics(settings)
+        metrics = bool(plan.prober.progress.every())
         monitor = Monitor(
             health,
             EngineParts(engine, probes, worker, registration),
@@ -242,11 +242,6 @@ def _http_url(settings: Settings) -> str:
     target = settings.grpc_engine
     assert target is not None
     return settings.metrics_url or f"http://{target.address}"
-
-
-def _reads_metrics(settings: Settings) -> bool:
-    """Whether the engine's metrics are reachable: over gRPC only at SIDECAR_METRICS_URL."""
-    return settings.transport is not Transport.GRPC or settings.metrics_url is not None
 
 
 def _grpc_engine(

@@ -20,7 +20,8 @@ import json, sys
 from sidecar.config import load_settings
 from sidecar.wiring import build
 side = build(load_settings())
-print(json.dumps({m: m in sys.modules for m in ("grpc", "grpc_health", "dynamo.runtime")}))
+names = ("grpc", "grpc_health", "dynamo.runtime", "google.protobuf", "smg_grpc_proto")
+print(json.dumps({m: m in sys.modules for m in names}))
 """
 
 
@@ -51,3 +52,18 @@ def test_grpcio_is_loaded_only_when_configured(env, grpc):
     assert said["grpc"] is grpc
     assert said["grpc_health"] is grpc
     assert said["dynamo.runtime"] is False
+    assert said["smg_grpc_proto"] is False
+
+
+def test_the_grpc_transports_stubs_wait_for_the_monitor():
+    """SIDECAR_TRANSPORT=grpc: the stubs (and protobuf) are imported by the monitor's parts as
+    it starts, not by the composition root; an HTTP configuration never imports them."""
+    grpc = {
+        "DYN_HEALTH_CHECK_ENABLED": "true",
+        "SIDECAR_TRANSPORT": "grpc",
+        "SIDECAR_ENGINE_URL": "grpc://127.0.0.1:50051",
+    }
+    assert loaded(grpc)["smg_grpc_proto"] is False
+    http = loaded({"DYN_HEALTH_CHECK_ENABLED": "true"})
+    assert http["google.protobuf"] is False
+    assert http["smg_grpc_proto"] is False

@@ -17,6 +17,9 @@ from sidecar.probes.exchange import Received, Streamed
 from sidecar.probes.judge import judge
 from sidecar.probes.role import Backend, Mode, ModelType, Role, Transport
 from sidecar.probes.sglang import FAKE_BOOTSTRAP_HOST
+from sidecar.tools.plan import render as render_plan
+from sidecar.tools.probes import render as render_probes
+from sidecar.tools.probes import size
 
 pytestmark = pytest.mark.unit
 
@@ -238,3 +241,18 @@ def test_registration_is_the_servers_grpc_health_or_getmodelinfo(monkeypatch):
     trtllm = load(monkeypatch, **GRPC, SIDECAR_BACKEND="trtllm")
     assert trtllm.grpc_registration is None  # its GetModelInfo call (sidecar/wiring.py)
     assert plan(Backend.TRTLLM).prober.registration_path == "/trtllm.TrtllmService/GetModelInfo"
+
+
+def test_without_a_metrics_url_no_metrics_are_read_and_the_stall_rule_is_off(monkeypatch):
+    """vLLM's gRPC server serves no metrics: the canary alone decides, --check-config and the
+    probes promise no bound under load; SIDECAR_METRICS_URL (SGLang's side server) reads them."""
+    bare = load(monkeypatch, **GRPC)
+    assert bare.timing(True).metrics is None
+    assert size(bare, 600).stall_to_notready is None
+    assert "SIDECAR_METRICS_URL unset" in render_plan(bare)
+    assert "Under load" not in render_probes(bare, 600)
+    url = "http://127.0.0.1:30001"
+    side = load(monkeypatch, **GRPC, SIDECAR_BACKEND="sglang", SIDECAR_METRICS_URL=url)
+    assert side.timing(True).metrics is not None
+    assert size(side, 600).stall_to_notready is not None
+    assert f"GET {url}/metrics every" in render_plan(side)

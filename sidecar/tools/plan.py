@@ -67,7 +67,7 @@ def _progress_lines(plan: CanaryPlan, s: Settings) -> list[str]:
         )
         return [f"progress       engine metrics not read ({why})"]
     spec = plan.prober.progress
-    if s.transport is Transport.GRPC and s.metrics_url is None:
+    if not s.metrics_reachable:
         return [
             "progress       engine metrics not read (SIDECAR_METRICS_URL unset: the gRPC server "
             "serves none, as vLLM's does): the canary alone decides; the stall rule is off"

@@ -110,7 +110,12 @@ def size(settings: Settings, max_load_seconds: float) -> Sizing:
     hang_to_notlive = policy.to_notlive(canary).seconds
     # With work in flight, quiet counters raise a suspicion that one canary confirms.
     # Not where no request shows in flight (a vLLM encoder's gauges read 0 under load).
-    stalls = canary and s.progress_enabled and plan.prober.progress.in_flight_shown
+    stalls = (
+        canary
+        and s.progress_enabled
+        and s.metrics_reachable
+        and plan.prober.progress.in_flight_shown
+    )
     stall_to_notready = policy.to_stalled().seconds if stalls else None
 
     startup = Probe(
@@ -238,6 +243,8 @@ def _header(s: Settings, z: Sizing, t: Target) -> list[str]:
     canary = "canary on" if z.canary else "no canary"
     if _dynamo(s) and z.canary:
         canary += ", over Dynamo's request plane to the worker instance of this pod"
+    if s.transport is Transport.GRPC and z.canary:
+        canary += f", over the engine's gRPC generation service at {s.engine_url}"
     lines = _comment(
         f"Probes for the engine container (paste them under it, not under the sidecar: a "
         f"liveness failure restarts only the container whose probe failed). They target the "
