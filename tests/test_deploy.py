@@ -60,6 +60,8 @@ PROFILES = {
     "sglang-decode": ("sglang", "decode", "text"),
     "sglang-encode": ("sglang", "encode", "multimodal"),
     "llamacpp-aggregated": ("openai", "aggregated", "text"),
+    "vllm-grpc": ("vllm", "aggregated", "text"),
+    "sglang-grpc": ("sglang", "decode", "text"),
 }
 # Dynamo workers (canaries over the request plane; the worker's system server is on 9090, the
 # sidecar on 9091): profile -> (SIDECAR_BACKEND, SIDECAR_DISAGGREGATION_MODE)
@@ -78,6 +80,7 @@ TOPOLOGIES = {
     "trtllm-disaggregated": ("trtllm-prefill", "trtllm-decode"),
     "sglang-disaggregated": ("sglang-prefill", "sglang-decode"),
     "vllm-epd-encode": ("vllm-encode",),
+    "smg-grpc-workers": ("vllm-grpc", "sglang-grpc"),
 }
 # what each profile's engine command must contain
 ENGINE_COMMAND = {
@@ -87,7 +90,18 @@ ENGINE_COMMAND = {
     "trtllm-decode": ("trtllm-serve", "--extra_llm_api_options"),
     "sglang-prefill": ("sglang.launch_server", "--disaggregation-mode prefill", "--enable-metrics"),
     "sglang-decode": ("sglang.launch_server", "--disaggregation-mode decode", "--enable-metrics"),
+    "vllm-grpc": ("python3 -m vllm.entrypoints.launchers.grpc_server", "--host 0.0.0.0"),
+    "sglang-grpc": (
+        "sglang.launch_server",
+        "--smg-grpc-mode",
+        "--disaggregation-mode decode",
+        "--enable-metrics",
+    ),
 }
+# Where each transport's engine listens in a pod (SIDECAR_ENGINE_URL): its HTTP API on 8000, or
+# its gRPC generation service (SIDECAR_TRANSPORT=grpc, the workers SGLang Model Gateway routes to)
+# on 50051.
+ENGINE_URL = {"http": "http://127.0.0.1:8000", "grpc": "grpc://127.0.0.1:50051"}
 ENV_LINE = re.compile(r"[A-Z][A-Z0-9_]*=[^\s'\"#][^\s#]*|[A-Z][A-Z0-9_]*=")
 
 
@@ -151,6 +165,21 @@ def test_dynamo_profile_says_its_role_and_reaches_the_worker_over_the_request_pl
     assert settings.engine_url == "http://127.0.0.1:9090"  # the worker's system server
     assert settings.system_port == 9091
     assert settings.use_endpoint_health_status == ("generate",)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("name", ["vllm-grpc", "sglang-grpc"])
+def test_grpc_profile_reaches_the_engine_over_its_grpc_service(
+    name: str, monkeypatch: pytest.MonkeyPatch
+):
+    settings = settings_of(CONFIG / f"{name}.env", monkeypatch)
+    assert settings.transport == "grpc"
+    assert settings.engine_url == ENGINE_URL["grpc"]
+    assert settings.system_port == 9090
+    assert settings.grpc_registration is not None  # both servers serve grpc.health.v1
+    # vLLM's gRPC servicer serves no metrics (the canary alone decides); SGLang's side server does.
+    metrics = {"vllm-grpc": None, "sglang-grpc": "http://127.0.0.1:50052"}[name]
+    assert settings.metrics_url == metrics
 
 
 @pytest.mark.unit
@@ -288,8 +317,18 @@ def test_engine_is_real_pinned_and_gets_a_gpu(render_overlay, topology: str):
         command = shlex.join(engine.get("command", []) + engine.get("args", []))
         for needle in ENGINE_COMMAND[profile_of(docs, d).stem]:
             assert needle in command
-        assert "--port 8000" in command
-        assert read_env(profile_of(docs, d))["SIDECAR_ENGINE_URL"] == "http://127.0.0.1:8000"
+        env = read_env(profile_of(docs, d))
+        url = env["SIDECAR_ENGINE_URL"]
+        assert url == ENGINE_URL[env.get("SIDECAR_TRANSPORT", "http")]
+        port = urlsplit(url).port
+        assert f"--port {port}" in command
+        assert port in [p["containerPort"] for p in engine["ports"]]
+        if "SIDECAR_METRICS_URL" in env:
+            # SGLang --smg-grpc-mode: /metrics on its HTTP side server, the gRPC port + 1 unless
+            # --smg-http-sidecar-port moves it, and only with --enable-metrics.
+            assert env["SIDECAR_METRICS_URL"] == f"http://127.0.0.1:{port + 1}"
+            assert "--enable-metrics" in command
+            assert "--smg-http-sidecar-port" not in command
 
 
 @pytest.mark.process
