@@ -5,6 +5,7 @@
 # --build-arg BASE=local/debian-python:<hash>, made by scripts/docker_ci.sh from Debian's packages.
 # EXTRAS: optional extras of the package; EXTRAS=dynamo adds Dynamo's runtime client (about
 # 230 MB) for SIDECAR_TRANSPORT=dynamo: docker build --build-arg EXTRAS=dynamo -t ...:0.1.0-dynamo .
+# EXTRAS=grpc adds the engines' gRPC stubs (smg-grpc-proto) for SIDECAR_TRANSPORT=grpc.
 
 ARG BASE=python:3.11.14-slim-bookworm
 FROM ${BASE} AS builder

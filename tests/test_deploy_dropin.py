@@ -42,6 +42,8 @@ LEAF_OVERLAYS = (
     "sglang-disaggregated/decode",
     "trtllm-disaggregated/prefill",
     "trtllm-disaggregated/decode",
+    "smg-grpc-workers/vllm-grpc",
+    "smg-grpc-workers/sglang-grpc",
 )
 DGD = ROOT / "deploy" / "dynamo" / "dgd-vllm-disagg.yaml"
 LWS = ROOT / "deploy" / "lws" / "vllm-multinode.yaml"

@@ -27,6 +27,7 @@ from typing import Any
 
 import pytest
 
+from tests.support.exposition import samples, total
 from tests.support.harness import Sidecar, wait_until
 from tests.support.processes import Shared, handed_over, spends, started
 from tests.support.vllm_engine import GRPC_ENGINE_SERVICE, VllmGrpcServer
@@ -34,6 +35,8 @@ from tests.support.vllm_engine import GRPC_ENGINE_SERVICE, VllmGrpcServer
 pytestmark = pytest.mark.engine
 
 INTERVAL = 0.25
+WAIT, TIMEOUT = 1.0, 0.5  # conftest.FAST
+BOUND = WAIT + TIMEOUT + 2.0
 FROZEN_FOR = 3.0  # seconds the EngineCore stays stopped while the health service is asked
 
 
@@ -46,6 +49,16 @@ def server_pool() -> Iterator[Shared[VllmGrpcServer]]:
 server = handed_over("server")
 
 
+def timeouts(side: Sidecar) -> float:
+    return total(samples(side.metrics()), "health_sidecar_canary_total", outcome="timeout")
+
+
+def timed_out_ids(side: Sidecar) -> set[str]:
+    """The request ids of the canaries that timed out, from the sidecar's history."""
+    canaries = side.get("/debug/history").json()["canaries"]
+    return {c["request_id"] for c in canaries if c["outcome"] == "timeout"}
+
+
 def env(engine: VllmGrpcServer) -> dict[str, str]:
     return {
         "SIDECAR_BACKEND": "vllm",
@@ -54,6 +67,16 @@ def env(engine: VllmGrpcServer) -> dict[str, str]:
         "SIDECAR_REGISTRATION": f"grpc://{engine.target}/{GRPC_ENGINE_SERVICE}",
         "SIDECAR_REGISTRATION_INTERVAL": str(INTERVAL),
     }
+
+
+def canary_env(engine: VllmGrpcServer, **extra: str) -> dict[str, str]:
+    """The sidecar as config/vllm-grpc.env configures it: canaries over the gRPC service."""
+    return {
+        "DYN_HEALTH_CHECK_ENABLED": "true",
+        "SIDECAR_TRANSPORT": "grpc",
+        "SIDECAR_BACKEND": "vllm",
+        "SIDECAR_ENGINE_URL": f"grpc://{engine.target}",
+    } | extra
 
 
 def generate(side: Sidecar) -> dict[str, Any]:
@@ -91,6 +114,63 @@ def test_a_stopped_engine_core_still_answers_serving(server, sidecar):
         os.kill(core, signal.SIGCONT)
     print(f"\nwith the EngineCore stopped for {FROZEN_FOR:g} s: {sorted(map(str, seen))}")
     assert seen == {"SERVING", 200}
+
+
+def test_the_canary_passes_over_grpc(server, sidecar):
+    side = sidecar(canary_env(server))
+    side.wait_status(200, 10)
+    check = generate(side)
+    assert check["last_canary"]["outcome"] == "success", check
+    assert check["registration"] == f"grpc.health.v1 Check('') at {server.target}: SERVING"
+    latency = check["last_canary"]["latency_seconds"] * 1000
+    print(f"\nVLLM-GRPC canary passed in {latency:.1f} ms")
+
+
+def test_a_stopped_engine_core_is_notready_while_its_own_checks_say_healthy(server, sidecar):
+    """EngineCore SIGSTOPped: the canary times out and is aborted (the deadline, then Abort),
+    notready within wait + timeout + 2 s, while grpc.health.v1 says SERVING and the engine's own
+    HealthCheck RPC (SGLang Model Gateway's check of a gRPC worker) says healthy; SIGCONT: ready,
+    and none of the timed-out canaries was computed: the server aborted every one."""
+    side = sidecar(canary_env(server))
+    side.wait_status(200, 10)
+    core = server.engine_core_pid()
+    own: set[str] = set()
+    logged = len(server.output())
+    os.kill(core, signal.SIGSTOP)
+    try:
+        stopped = time.monotonic()
+
+        def notready() -> bool:
+            own.add(f"grpc.health.v1 {server.check('', timeout=1)}")
+            own.add(f"HealthCheck {server.health_check_rpc(timeout=1)}")
+            return side.get("/health").status_code == 503
+
+        wait_until(notready, BOUND + 5, interval=0.05, what="/health -> 503")
+        took = time.monotonic() - stopped
+        body = side.health()[1]
+        live = side.get("/live").status_code
+        # A few more timed-out canaries while it stays stopped.
+        wait_until(lambda: timeouts(side) >= 4, 10, interval=0.1, what="four timed-out canaries")
+    finally:
+        os.kill(core, signal.SIGCONT)
+    back = side.wait_status(200, 10)
+    reason = body["checks"]["generate"]["last_canary"]["reason"]
+    timed_out = timed_out_ids(side)
+    log = server.output()[logged:]
+    aborted = {rid for rid in timed_out if rid in log}
+    print(
+        f"\nVLLM-GRPC EngineCore stopped: notready after {took:.2f} s (bound {BOUND:g} s): "
+        f"{body['reason']}; its own checks meanwhile: {sorted(own)}; SIGCONT: ready after "
+        f"{back:.2f} s; {len(timed_out)} timed-out canaries, {len(aborted)} named in the "
+        "server's abort log"
+    )
+    assert took <= BOUND
+    assert live == 200
+    assert own == {"grpc.health.v1 SERVING", "HealthCheck healthy"}
+    assert "stopped on the engine (gRPC /vllm.grpc.engine.VllmEngine/Abort -> OK)" in reason
+    assert len(timed_out) >= 4
+    assert aborted == timed_out, f"not aborted by the server: {sorted(timed_out - aborted)}"
+    assert "Aborted request" in log
 
 
 @spends("server")

@@ -533,3 +533,17 @@ class VllmGrpcServer(VllmServer):
     def ready(self) -> bool:
         """SERVING on the engine's service."""
         return self.check(timeout=1) == "SERVING"
+
+    def health_check_rpc(self, timeout: float = 2) -> str:
+        """vLLM's own ``VllmEngine/HealthCheck`` RPC (what SGLang Model Gateway asks a gRPC
+        worker): "healthy", "unhealthy: <message>", or the call's status code's name."""
+        import grpc
+        from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
+
+        with grpc.insecure_channel(self.target) as channel:
+            stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+            try:
+                answer = stub.HealthCheck(vllm_engine_pb2.HealthCheckRequest(), timeout=timeout)
+            except grpc.RpcError as exc:
+                return str(exc.code().name)  # type: ignore[attr-defined]
+        return "healthy" if answer.healthy else f"unhealthy: {answer.message}"

@@ -1,0 +1,113 @@
+"""The gRPC transport's footprint: the sidecar's resident memory with SIDECAR_TRANSPORT=grpc
+beside the same sidecar over HTTP, in one run, against one fake vLLM that serves both (its HTTP
+API and ``--grpc-port``).
+
+Each sidecar (canaries on, ``DYN_CANARY_WAIT_TIME=0.001``) is started alone; its VmRSS is read
+once it serves, once its first canary passed, and after ``--canaries`` (2,000) canaries. The
+modules each one loaded are read from the running process (``/proc/PID/maps`` names the shared
+objects: grpcio's ``cygrpc`` and protobuf's ``_message``). Figures are ratios measured side by
+side on a shared machine, never assertions.
+
+    .venv/bin/python -m bench.grpc_footprint [--canaries 2000] [--out docs/grpc-footprint.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from bench._shared import code_version, load_average, metric_sum, rss_mb
+from tests.support.harness import LOOPBACK, FakeEngine, Sidecar, running
+from tests.support.processes import free_port
+
+OUT = Path("docs/grpc-footprint.md")
+SHARED_OBJECTS = {"grpcio": "cygrpc", "protobuf (upb)": "google/_upb/_message"}
+
+
+def loaded(pid: int) -> dict[str, bool]:
+    maps = Path(f"/proc/{pid}/maps").read_text()
+    return {name: marker in maps for name, marker in SHARED_OBJECTS.items()}
+
+
+def measure(env: dict[str, str], canaries: int) -> dict[str, Any]:
+    side = Sidecar(env | {"DYN_CANARY_WAIT_TIME": "0.001", "SIDECAR_LOG_LEVEL": "WARNING"})
+    with running(side):
+        side.wait_serving()
+        serving = rss_mb(side.proc.pid)
+        side.wait_status(200, 15)
+        ready = rss_mb(side.proc.pid)
+        began = time.monotonic()
+        sent = 0
+        while sent < canaries:
+            sent = int(metric_sum(side.metrics(), "health_sidecar_canary_total"))
+            if time.monotonic() - began > 600:
+                raise RuntimeError(f"only {sent} canaries in 600 s")
+            time.sleep(0.1)
+        took = time.monotonic() - began
+        return {
+            "serving_mb": round(serving, 1),
+            "ready_mb": round(ready, 1),
+            "after_mb": round(rss_mb(side.proc.pid), 1),
+            "canaries": sent,
+            "canaries_per_s": round(sent / took, 1),
+            "loaded": loaded(side.proc.pid),
+        }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--canaries", type=int, default=2000)
+    parser.add_argument("--out", type=Path, default=OUT)
+    args = parser.parse_args(argv)
+    port = free_port()
+    engine = FakeEngine("vllm", "aggregated", "--grpc-port", str(port))
+    on = {"DYN_HEALTH_CHECK_ENABLED": "true", "SIDECAR_BACKEND": "vllm"}
+    with running(engine):
+        engine.start()
+        http = measure(on | {"SIDECAR_ENGINE_URL": engine.url}, args.canaries)
+        grpc = measure(
+            on | {"SIDECAR_TRANSPORT": "grpc", "SIDECAR_ENGINE_URL": f"grpc://{LOOPBACK}:{port}"},
+            args.canaries,
+        )
+    command = " ".join(["python -m bench.grpc_footprint", *map(shlex.quote, argv or sys.argv[1:])])
+    rows = [
+        ("RSS once serving (MB)", "serving_mb"),
+        ("RSS after the first passed canary (MB)", "ready_mb"),
+        (f"RSS after {args.canaries:,} canaries (MB)", "after_mb"),
+        ("canaries per second (DYN_CANARY_WAIT_TIME=0.001)", "canaries_per_s"),
+    ]
+    lines = [
+        "# The gRPC transport's footprint",
+        "",
+        f"Written by `{command}` on {datetime.date.today()} ({platform.machine()}, "
+        f"Python {platform.python_version()}, load average {load_average()}, code "
+        f"{code_version()}). One fake vLLM serving HTTP and gRPC; each sidecar alone, canaries "
+        "on, one after the other.",
+        "",
+        "| | over HTTP | over gRPC | gRPC / HTTP |",
+        "|---|---|---|---|",
+    ]
+    for label, key in rows:
+        ratio = grpc[key] / http[key] if http[key] else float("nan")
+        lines.append(f"| {label} | {http[key]} | {grpc[key]} | {ratio:.2f} |")
+    for name in SHARED_OBJECTS:
+        said = [("loaded" if side["loaded"][name] else "not loaded") for side in (http, grpc)]
+        lines.append(f"| {name} | {said[0]} | {said[1]} | |")
+    lines += [
+        "",
+        "grpcio and the engines' stubs are imported only with SIDECAR_TRANSPORT=grpc (or "
+        "SIDECAR_GRPC_PORT, a grpc:// registration): `tests/test_footprint.py`.",
+    ]
+    args.out.write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
