@@ -36,6 +36,7 @@ from typing import Any
 
 import httpx
 
+from sidecar.probes.base import PROMPT_TOKEN_IDS
 from sidecar.probes.transfer import REMOTE_DECODE
 from tests.support.engines import require
 from tests.support.exposition import metric_names, samples, total
@@ -504,12 +505,49 @@ class VllmGrpcServer(VllmServer):
     def target(self) -> str:
         return f"{LOOPBACK}:{self.port}"
 
+    @property
+    def metrics_dir(self) -> Path:
+        """PROMETHEUS_MULTIPROC_DIR: the server serves no metrics, but its processes still count
+        in vLLM's Prometheus counters, which then land here for :meth:`counters` to read."""
+        path = self.workdir / "prometheus"
+        path.mkdir(exist_ok=True)
+        return path
+
     def env(self) -> dict[str, str]:
         env = super().env()
         env["PYTHONPATH"] = os.pathsep.join(
             p for p in (self.paths["VLLM_GRPC_DIR"], env.get("PYTHONPATH")) if p
         )
+        env["PROMETHEUS_MULTIPROC_DIR"] = str(self.metrics_dir)
         return env
+
+    def generate(self, request_id: str, timeout: float = 10) -> dict[str, Any]:
+        """One greedy 2-token Generate of the canary's prompt from a client of the test's own:
+        its ``complete`` message as a dict."""
+        import grpc
+        from google.protobuf import json_format
+        from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
+
+        pb = vllm_engine_pb2
+        request = pb.GenerateRequest(
+            request_id=request_id,
+            tokenized=pb.TokenizedInput(input_ids=list(PROMPT_TOKEN_IDS)),
+            sampling_params=pb.SamplingParams(temperature=0, max_tokens=2, ignore_eos=True),
+            stream=False,
+        )
+        with grpc.insecure_channel(self.target) as channel:
+            stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+            (answer,) = list(stub.Generate(request, timeout=timeout))
+        return json_format.MessageToDict(answer.complete, preserving_proto_field_name=True)
+
+    def counters(self) -> str:
+        """vLLM's Prometheus counters as its processes wrote them (the exposition text)."""
+        from prometheus_client import CollectorRegistry, generate_latest
+        from prometheus_client.multiprocess import MultiProcessCollector
+
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry, path=str(self.metrics_dir))
+        return generate_latest(registry).decode()
 
     def argv(self) -> list[str]:
         argv = [self.paths["VLLM_PYTHON"], "-m", "vllm.entrypoints.launchers.grpc_server"]
