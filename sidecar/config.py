@@ -28,7 +28,7 @@ from sidecar.core.endpoint import KV_TRANSFER, MONITORED_ENDPOINTS, OPTIONAL_END
 from sidecar.core.evidence.policy import Policy
 from sidecar.core.schedule import Timing
 from sidecar.core.verdict import Cause, StartingStatus
-from sidecar.probes import CanaryConfig, prober_for
+from sidecar.probes import GRPC_SERVICES, CanaryConfig, prober_for
 from sidecar.probes.role import Backend, EmbeddingTransfer, Mode, ModelType, Role, Transport
 from sidecar.runtime.grpctarget import GrpcTarget, grpc_target
 from sidecar.runtime.grpctarget import host_problem as _host_problem
@@ -356,6 +356,15 @@ class Settings(BaseSettings):
         "progress for SIDECAR_STALL_WINDOW is a hang.",
         "true or false",
     )
+    grpc_service: str | None = _env(
+        "SIDECAR_GRPC_SERVICE",
+        None,
+        "With SIDECAR_TRANSPORT=grpc: the engine's gRPC generation service. sglang: "
+        "sglang.grpc.scheduler.SglangScheduler (--smg-grpc-mode, the default) or "
+        "sglang.runtime.v1.SglangService (--grpc-port, beside its HTTP server); vllm: "
+        "vllm.grpc.engine.VllmEngine; trtllm: trtllm.TrtllmService. Unset: the backend's first.",
+        "the full name of one of the backend's gRPC generation services",
+    )
     metrics_url: str | None = _env(
         "SIDECAR_METRICS_URL",
         None,
@@ -624,6 +633,7 @@ class Settings(BaseSettings):
             dynamo_endpoint=self.dynamo_endpoint,
             bootstrap_port=self.sglang_bootstrap_port,
             embedding_transfer=self.embedding_transfer_mode,
+            grpc_service=self.grpc_service,
         )
 
     def policy(self) -> Policy:
@@ -937,6 +947,22 @@ RULES: tuple[Rule, ...] = (
             "(the engines whose gRPC services SGLang Model Gateway speaks)"
         ),
         lambda s: repr(s.backend.value),
+    ),
+    Rule(
+        "grpc_service",
+        lambda s: s.grpc_service is not None and not _grpc(s),
+        lambda s: f"unset ({_TRANSPORT}={s.transport} calls no gRPC service)",
+    ),
+    Rule(
+        "grpc_service",
+        lambda s: (
+            _grpc(s)
+            and s.grpc_service is not None
+            and s.grpc_service not in GRPC_SERVICES.get(s.backend, ())
+        ),
+        lambda s: (
+            f"one of {', '.join(GRPC_SERVICES.get(s.backend, ()))} (SIDECAR_BACKEND={s.backend})"
+        ),
     ),
     Rule(
         "metrics_url",

@@ -26,7 +26,14 @@ from sidecar.probes.dynamo import (
     DynamoVllmEncoderProber,
     DynamoVllmProber,
 )
-from sidecar.probes.grpc import GrpcSglangProber, GrpcTrtllmProber, GrpcVllmProber
+from sidecar.probes.grpc import (
+    GRPC_SERVICES,
+    NATIVE_SERVICE,
+    GrpcSglangNativeProber,
+    GrpcSglangProber,
+    GrpcTrtllmProber,
+    GrpcVllmProber,
+)
 from sidecar.probes.kinds import Probe, ProbeKind
 from sidecar.probes.openai import OpenAIProber
 from sidecar.probes.role import Backend, EmbeddingTransfer, Mode, ModelType, Role, Transport
@@ -36,6 +43,7 @@ from sidecar.probes.trtllm import TrtllmProber
 from sidecar.probes.vllm import VllmEncoderProber, VllmProber
 
 __all__ = [
+    "GRPC_SERVICES",
     "Backend",
     "CanaryConfig",
     "CanaryPlan",
@@ -68,6 +76,7 @@ class CanaryConfig:
     dynamo_endpoint: str | None = None  # SIDECAR_DYNAMO_ENDPOINT
     bootstrap_port: int = 8998  # SIDECAR_SGLANG_BOOTSTRAP_PORT
     embedding_transfer: EmbeddingTransfer = EmbeddingTransfer.NIXL_WRITE  # DYN_VLLM_EMBEDDING_...
+    grpc_service: str | None = None  # SIDECAR_GRPC_SERVICE (None: the backend's first)
 
 
 #: The role whose canary goes to an image encoder (SIDECAR_DISAGGREGATION_MODE=encode with
@@ -93,6 +102,8 @@ def prober_for(config: CanaryConfig) -> Prober:
         match config.backend:
             case Backend.VLLM:
                 return GrpcVllmProber()
+            case Backend.SGLANG if config.grpc_service == NATIVE_SERVICE:
+                return GrpcSglangNativeProber(config.bootstrap_port)
             case Backend.SGLANG:
                 return GrpcSglangProber(config.bootstrap_port)
             case Backend.TRTLLM:

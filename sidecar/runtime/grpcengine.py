@@ -197,10 +197,13 @@ class RpcRegistration:
 
 
 def _load(module: str) -> None:
-    """Import a stub module, as its package serves it (smg_grpc_proto loads its generated
-    modules as attributes of the package)."""
-    package, _, name = module.rpartition(".")
-    getattr(importlib.import_module(package), name)
+    """Import a stub module, or load it as its package serves it (smg_grpc_proto loads its
+    generated modules as attributes of the package)."""
+    try:
+        importlib.import_module(module)
+    except ModuleNotFoundError:
+        package, _, name = module.rpartition(".")
+        getattr(importlib.import_module(package), name)
 
 
 def _as_dict(message: Message) -> dict[str, Any]:

@@ -7,8 +7,24 @@ Where is the gRPC decode canary of TensorRT-LLM built? ``trtllm.py``, method ``b
 from __future__ import annotations
 
 from sidecar.probes.grpc.base import GrpcProber
-from sidecar.probes.grpc.sglang import GrpcSglangProber
+from sidecar.probes.grpc.sglang import NATIVE_SERVICE, GrpcSglangNativeProber, GrpcSglangProber
 from sidecar.probes.grpc.trtllm import GrpcTrtllmProber
 from sidecar.probes.grpc.vllm import GrpcVllmProber
+from sidecar.probes.role import Backend
 
-__all__ = ["GrpcProber", "GrpcSglangProber", "GrpcTrtllmProber", "GrpcVllmProber"]
+#: Each backend's gRPC generation services, the default first (SIDECAR_GRPC_SERVICE).
+GRPC_SERVICES: dict[Backend, tuple[str, ...]] = {
+    Backend.VLLM: (GrpcVllmProber.service,),
+    Backend.SGLANG: (GrpcSglangProber.service, NATIVE_SERVICE),
+    Backend.TRTLLM: (GrpcTrtllmProber.service,),
+}
+
+__all__ = [
+    "GRPC_SERVICES",
+    "NATIVE_SERVICE",
+    "GrpcProber",
+    "GrpcSglangNativeProber",
+    "GrpcSglangProber",
+    "GrpcTrtllmProber",
+    "GrpcVllmProber",
+]
