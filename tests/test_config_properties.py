@@ -420,6 +420,12 @@ def kind_of(name: str) -> Kind | None:
             st.lists(SAFE_NAME, min_size=1, max_size=3).map(lambda p: "/" + "/".join(p)),
             parsed=lambda v: v,
         ),
+        # Malformed: any value without SIDECAR_TRANSPORT=grpc (no service is called then).
+        "SIDECAR_GRPC_SERVICE": lambda: Kind(
+            ANY_TEXT.filter(bool),
+            st.just("vllm.grpc.engine.VllmEngine"),
+            parsed=lambda v: v,
+        ),
         "SIDECAR_DYNAMO_ENDPOINT": lambda: Kind(
             st.one_of(
                 st.lists(SAFE_NAME, min_size=2, max_size=2).map(".".join),
@@ -522,6 +528,7 @@ def test_valid_value_is_taken_as_given(
         "SIDECAR_KV_PEER_URL": {"SIDECAR_DISAGGREGATION_MODE": "decode"},
         "SIDECAR_DYNAMO_ENDPOINT": {"SIDECAR_TRANSPORT": "dynamo"},
         "SIDECAR_METRICS_URL": GRPC_ENGINE,
+        "SIDECAR_GRPC_SERVICE": GRPC_ENGINE,
         "SIDECAR_TRANSPORT": {"SIDECAR_ENGINE_URL": GRPC_ENGINE["SIDECAR_ENGINE_URL"]}
         if value == "grpc"
         else {},

@@ -256,3 +256,78 @@ def test_without_a_metrics_url_no_metrics_are_read_and_the_stall_rule_is_off(mon
     assert side.timing(True).metrics is not None
     assert size(side, 600).stall_to_notready is not None
     assert f"GET {url}/metrics every" in render_plan(side)
+
+
+NATIVE = "sglang.runtime.v1.SglangService"
+
+
+def native_plan(mode: Mode = Mode.AGGREGATED):
+    role = Role(mode, ModelType.TEXT)
+    config = CanaryConfig(Backend.SGLANG, role, Transport.GRPC, True, grpc_service=NATIVE)
+    return plan_canary(config)
+
+
+def test_sglangs_native_service_takes_its_own_request():
+    p = native_plan(Mode.DECODE)
+    body = p.request(None, "canary-1").body
+    assert p.path == f"/{NATIVE}/Generate"
+    assert body["rid"] == "canary-1"
+    assert body["input_ids"] == [100, 101, 102, 103, 104, 105, 106, 107]
+    assert body["sampling_params"] == {"temperature": 0, "max_new_tokens": 2, "ignore_eos": True}
+    assert body["disaggregated_params"]["bootstrap_host"] == FAKE_BOOTSTRAP_HOST
+    assert body["disaggregated_params"]["bootstrap_room"] >= 0  # 64-bit in this service
+    assert p.prober.registration_path == f"/{NATIVE}/GetModelInfo"  # its grpc.health.v1: none
+    abort = p.prober.abort(p.request(None, "canary-1"))
+    assert abort is not None
+    assert (abort.path, abort.body) == (f"/{NATIVE}/Abort", {"rid": "canary-1"})
+
+
+def _native(ids: list[int], finish: str | None, finished: bool = True) -> dict[str, Any]:
+    meta = {"finish_reason": "null" if finish is None else f'{{"type": "{finish}"}}'}
+    return {"output_ids": ids, "meta_info": meta, "finished": finished}
+
+
+@pytest.mark.parametrize(
+    ("messages", "problem"),
+    [
+        ((_native([5, 6], "length"),), None),
+        # streamed: cumulative ids, the last message holds them all
+        ((_native([5], None, False), _native([5, 6], "length")), None),
+        ((_native([5, 6], "stop"),), None),
+        ((_native([5], None, False),), "no finished message in 1 message(s)"),
+        ((_native([], "abort"),), "finish_reason 'abort'"),
+        ((_native([5], "length"),), "1 token(s) in output_ids, expected 2"),
+        (({"output_ids": [5, 6], "finished": True},), "no meta_info.finish_reason"),
+    ],
+)
+def test_a_native_sglang_call_is_judged_on_its_last_cumulative_message(messages, problem):
+    p = native_plan()
+    result = judge(p, p.request(None, "canary-1"), received(*messages))
+    if problem is None:
+        assert result.outcome is Outcome.SUCCESS, result.reason
+    else:
+        assert result.outcome is Outcome.INVALID
+        assert result.reason.startswith(problem), result.reason
+
+
+@pytest.mark.parametrize(
+    ("env", "line"),
+    [
+        (
+            GRPC | {"SIDECAR_GRPC_SERVICE": NATIVE},
+            f"SIDECAR_GRPC_SERVICE='{NATIVE}': expected one of vllm.grpc.engine.VllmEngine "
+            "(SIDECAR_BACKEND=vllm)",
+        ),
+        (
+            {"SIDECAR_GRPC_SERVICE": NATIVE, "SIDECAR_BACKEND": "sglang"},
+            f"SIDECAR_GRPC_SERVICE='{NATIVE}': expected unset (SIDECAR_TRANSPORT=http",
+        ),
+    ],
+)
+def test_a_grpc_service_is_one_of_the_backends(monkeypatch, env, line):
+    with pytest.raises(ConfigError) as refused:
+        load(monkeypatch, **env)
+    (said,) = refused.value.lines
+    assert said.startswith(line), said
+    ok = load(monkeypatch, **GRPC, SIDECAR_BACKEND="sglang", SIDECAR_GRPC_SERVICE=NATIVE)
+    assert plan_canary(ok.canary_config()).path == f"/{NATIVE}/Generate"
