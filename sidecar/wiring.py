@@ -261,6 +261,14 @@ def _grpc_engine(
     assert isinstance(module, str), plan.prober
     engine = GrpcEngine(target, (module,), interval=settings.registration_interval, clock=clock)
     stack.push_async_callback(engine.aclose)
+    if plan.override is not None:  # the user's payload must be a request of the method
+        try:
+            engine.message(plan.request(None, "canary-check"))
+        except ValueError as exc:
+            raise StartupError(
+                f"DYN_HEALTH_CHECK_PAYLOAD: expected a request of {plan.path} (the proto's field "
+                f"names): {' '.join(str(exc).split())}"
+            ) from None
     return engine
 
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -22,7 +24,7 @@ from sidecar.probes.role import Backend, Mode, ModelType, Role, Transport
 from sidecar.runtime.grpcengine import GrpcEngine, RpcRegistration
 from sidecar.runtime.grpcregistration import GrpcRegistration
 from sidecar.runtime.grpctarget import GrpcTarget
-from tests.support.harness import LOOPBACK
+from tests.support.harness import LOOPBACK, base_env
 from tests.support.processes import free_port
 
 pytestmark = pytest.mark.process
@@ -219,3 +221,64 @@ def test_the_sidecar_over_grpc_is_ready_notready_on_a_hang_and_ready_again(
     aborts = [r for r in fake.requests() if r["path"].endswith("/Abort")]
     assert aborts, "the timed-out canaries were not aborted"
     print(f"\nGRPC {backend} {mode}: notready {took:.2f} s after the hang: {reason}")
+
+
+def test_a_users_payload_is_mapped_onto_the_request_message():
+    """DYN_HEALTH_CHECK_PAYLOAD replaces the request, field by field (the proto's names): what
+    reached the engine is the user's; it is judged as a user payload (any count)."""
+    payload = {
+        "request_id": "users-own",
+        "tokenized": {"input_ids": [7, 8, 9]},
+        "sampling_params": {"temperature": 0, "max_tokens": 3, "ignore_eos": True},
+    }
+    role = Role(Mode.AGGREGATED, ModelType.TEXT)
+    config = CanaryConfig(Backend.VLLM, role, Transport.GRPC, True, payload=payload)
+    plan = plan_canary(config)
+
+    async def scenario() -> None:
+        async with serving("vllm") as (state, engine):
+            result = await GrpcCanary(engine, timeout=1.0)(plan, plan.request(None, "c-1"), None)
+            assert result.outcome is Outcome.SUCCESS, result.reason
+            (seen,) = generated(state)
+            assert seen["json"]["request_id"] == "users-own"
+            assert seen["json"]["tokenized"]["input_ids"] == [7, 8, 9]
+            assert seen["json"]["sampling_params"]["max_tokens"] == 3
+
+    run(scenario)
+
+
+def test_a_payload_that_does_not_fit_the_message_is_an_error_naming_the_field():
+    role = Role(Mode.AGGREGATED, ModelType.TEXT)
+    config = CanaryConfig(Backend.VLLM, role, Transport.GRPC, True, payload={"prompt": "hi"})
+    plan = plan_canary(config)
+
+    async def scenario() -> None:
+        async with serving("vllm") as (state, engine):
+            result = await GrpcCanary(engine, timeout=1.0)(plan, plan.request(None, "c-1"), None)
+            assert result.outcome is Outcome.ERROR
+            assert "cannot build the request" in result.reason
+            assert "prompt" in result.reason
+            assert generated(state) == []
+
+    run(scenario)
+
+
+def test_a_payload_that_does_not_fit_stops_the_sidecar_at_start_with_one_line():
+    """Validated once, at start: the sidecar exits 2 naming DYN_HEALTH_CHECK_PAYLOAD and the
+    field the message lacks."""
+    env = base_env() | {
+        "DYN_HEALTH_CHECK_ENABLED": "true",
+        "SIDECAR_TRANSPORT": "grpc",
+        "SIDECAR_ENGINE_URL": f"grpc://{LOOPBACK}:{free_port()}",
+        "DYN_HEALTH_CHECK_PAYLOAD": '{"prompt": "hi"}',
+        "DYN_SYSTEM_HOST": LOOPBACK,
+        "DYN_SYSTEM_PORT": str(free_port()),
+    }
+    done = subprocess.run(
+        [sys.executable, "-m", "sidecar"], env=env, capture_output=True, text=True, timeout=30
+    )
+    lines = [line for line in done.stderr.splitlines() if "DYN_HEALTH_CHECK_PAYLOAD:" in line]
+    assert done.returncode == 2, done.stderr
+    assert len(lines) == 1, done.stderr
+    assert "expected a request of /vllm.grpc.engine.VllmEngine/Generate" in lines[0]
+    assert "prompt" in lines[0]

@@ -110,9 +110,13 @@ class GrpcEngine:
 
     def message(self, request: CanaryRequest) -> Message:
         """The request message of a canary (its body mapped onto the method's request type);
-        raises ValueError (json_format.ParseError) when the body does not fit."""
+        raises ValueError naming what does not fit."""
         kind, _, _ = self._method(request.path)
-        return json_format.ParseDict(request.body, kind())
+        try:
+            return json_format.ParseDict(request.body, kind())
+        except json_format.ParseError as exc:
+            said = " ".join(str(exc).split())
+            raise ValueError(said.split(" Available Fields")[0]) from None
 
     async def send(self, request: CanaryRequest, deadline: float) -> Received:
         """The canary's channel (:class:`sidecar.probes.exchange.Channel`): one call of
