@@ -27,8 +27,9 @@
 #           sglang and the pinned list scripts/sglang-requirements.txt, all --no-deps; a site
 #           directory (scripts/sglang_site: an sgl_kernel stand-in and a sitecustomize with the
 #           torchvision, mooncake and DP-controller fixes); Debian's libibverbs1 and librdmacm1
-#           (apt-get, for the mooncake_tcp transfer backend); and the tiny Llama of
-#           make_tiny_hf_model.py. ~1.5 min.
+#           (apt-get, for the mooncake_tcp transfer backend); the tiny Llama of
+#           make_tiny_hf_model.py; and smg-grpc-servicer with grpcio and protobuf (which the venv
+#           lacks), for `--smg-grpc-mode`, in a directory of its own (~5 s). ~1.5 min.
 #   sglang-encode  for SGLang's encoder server (--encoder-only), on the sglang part's venv: a
 #           random-weight tiny Qwen2-VL written by make_tiny_qwen2vl.py (1 image token for a
 #           32x32 image, the tokenizer of make_tiny_hf_model.py), and a site directory of its own
@@ -41,7 +42,7 @@
 # $CACHE/engines.env: LLAMA_SERVER_BIN, TINY_GGUF, BIG_GGUF, DYNAMO_PYTHON,
 # DYNAMO_MODEL_DIR, VLLM_PYTHON, VLLM_MODEL_DIR, VLLM_MOE_MODEL_DIR, VLLM_SITE_DIR, VLLM_GRPC_DIR,
 # VLLM_MM_MODEL_DIR, VLLM_MM_SITE_DIR, DYNAMO_VLLM_PYTHON, DYNAMO_VLLM_SITE_DIR, SGLANG_PYTHON, SGLANG_SITE_DIR, SGLANG_MODEL_DIR,
-# SGLANG_MM_MODEL_DIR, SGLANG_MM_SITE_DIR.
+# SGLANG_GRPC_DIR, SGLANG_MM_MODEL_DIR, SGLANG_MM_SITE_DIR.
 #
 # Environment knobs: HEALTH_SIDECAR_CACHE (cache root), PYTHON (interpreter used
 # to create the venvs, default python3), BUILD_JOBS (default 2),
@@ -93,6 +94,11 @@ DYNAMO_VLLM_DEPS=(redis accelerate==1.16.0)
 # dependency from the pinned list, all --no-deps. PyPI has no CPU sgl_kernel; the site directory
 # supplies a stand-in. The mooncake_tcp transfer backend's engine.so links these Debian libraries.
 SGLANG_TORCH=(torch==2.13.0)
+# SGLang's --smg-grpc-mode serves through smg-grpc-servicer (its `sglang` subpackage), which the
+# sglang wheel does not declare, and the venv has neither grpcio nor protobuf: the vllm part's
+# pins and those two (the vllm venv's versions), --no-deps, in a directory of its own put on
+# PYTHONPATH after the site directory, so the venv itself stays as its requirements file says.
+SGLANG_GRPC_PACKAGES=("${VLLM_GRPC_PACKAGES[@]}" grpcio==1.85.3 protobuf==7.36.2)
 SGLANG_APT_PACKAGES=(libibverbs1 librdmacm1)
 
 # --- knobs -------------------------------------------------------------------
@@ -134,6 +140,7 @@ SGLANG_SITE_DIR=$CACHE/sglang-site # PYTHONPATH entry: sitecustomize.py and sgl_
 SGLANG_SITE_SRC=$SCRIPT_DIR/sglang_site
 SGLANG_SITE_FILES=(sitecustomize.py sgl_kernel/__init__.py) # relative to both
 SGLANG_MODEL_DIR=$MODELS_DIR/tiny-llama-sglang
+SGLANG_GRPC_DIR=$CACHE/sglang-grpc # PYTHONPATH entry: smg-grpc-servicer, grpcio, protobuf
 SGLANG_MM_MODEL_DIR=$MODELS_DIR/tiny-qwen2-vl-sglang
 # The encoder's PYTHONPATH entry, self-contained (Python runs only the first sitecustomize on
 # sys.path): its sitecustomize.py, which imports the sglang part's as _sglang_sitecustomize.py
@@ -371,8 +378,14 @@ sglang_libs_present() { # the Debian packages, installed (dpkg) or at least load
     ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1 ' &&
         ldconfig -p 2>/dev/null | grep -q 'librdmacm\.so\.1 '
 }
+sglang_grpc_spec() { echo "on[$(sglang_spec)] ${SGLANG_GRPC_PACKAGES[*]}"; }
+sglang_grpc_present() {
+    [[ -f $SGLANG_GRPC_DIR/$STAMP_NAME ]] &&
+        [[ $(<"$SGLANG_GRPC_DIR/$STAMP_NAME") == "$(sglang_grpc_spec)" ]]
+}
 sglang_present() {
-    sglang_libs_present && sglang_site_present && sglang_venv_present && sglang_model_present
+    sglang_libs_present && sglang_site_present && sglang_venv_present && sglang_model_present &&
+        sglang_grpc_present
 }
 
 # The sglang-encode part's keys: the site directory by its files' sources (installed names
@@ -863,6 +876,26 @@ assert sgl_kernel.__file__.startswith(sys.argv[1]), f"not the stand-in: {sgl_ker
         step_end
     fi
 
+    if sglang_grpc_present; then
+        log "sglang gRPC server packages up to date: $SGLANG_GRPC_DIR"
+    else
+        step_begin "sglang gRPC server packages ($SGLANG_GRPC_DIR): ${SGLANG_GRPC_PACKAGES[*]}"
+        mkdir -p "$LOG_DIR"
+        make_tmp_dir sglang-grpc
+        local grpc_tmp=$TMP_DIR grpc_log=$LOG_DIR/sglang-grpc.log
+        : >"$grpc_log"
+        run_logged "$grpc_log" "$SGLANG_PYTHON" -m pip install --no-deps --target "$grpc_tmp/dir" \
+            "${SGLANG_GRPC_PACKAGES[@]}"
+        # What --smg-grpc-mode imports at start-up: a mismatch fails here, not in a test.
+        run_logged "$grpc_log" env SGLANG_USE_CPU_ENGINE=1 HF_HUB_OFFLINE=1 \
+            PYTHONPATH="$SGLANG_SITE_DIR:$grpc_tmp/dir" "$SGLANG_PYTHON" -c \
+            'import sglang.srt.entrypoints.grpc_server, smg_grpc_servicer.sglang.server'
+        sglang_grpc_spec >"$grpc_tmp/dir/$STAMP_NAME"
+        rm -rf -- "$SGLANG_GRPC_DIR"
+        mv -- "$grpc_tmp/dir" "$SGLANG_GRPC_DIR"
+        step_end
+    fi
+
     if sglang_model_present; then
         log "sglang model dir up to date: $SGLANG_MODEL_DIR"
         return
@@ -961,8 +994,8 @@ env_lines() {
     for name in LLAMA_SERVER_BIN TINY_GGUF BIG_GGUF DYNAMO_PYTHON DYNAMO_MODEL_DIR \
         VLLM_PYTHON VLLM_MODEL_DIR VLLM_MOE_MODEL_DIR VLLM_SITE_DIR VLLM_GRPC_DIR VLLM_MM_MODEL_DIR \
         VLLM_MM_SITE_DIR DYNAMO_VLLM_PYTHON \
-        DYNAMO_VLLM_SITE_DIR SGLANG_PYTHON SGLANG_SITE_DIR SGLANG_MODEL_DIR SGLANG_MM_MODEL_DIR \
-        SGLANG_MM_SITE_DIR; do
+        DYNAMO_VLLM_SITE_DIR SGLANG_PYTHON SGLANG_SITE_DIR SGLANG_MODEL_DIR SGLANG_GRPC_DIR \
+        SGLANG_MM_MODEL_DIR SGLANG_MM_SITE_DIR; do
         value=${!name}
         case $name in
         LLAMA_SERVER_BIN) llama_present && present=1 || present=0 ;;
@@ -981,6 +1014,7 @@ env_lines() {
         SGLANG_PYTHON) sglang_venv_present && sglang_libs_present && present=1 || present=0 ;;
         SGLANG_SITE_DIR) sglang_site_present && present=1 || present=0 ;;
         SGLANG_MODEL_DIR) sglang_model_present && present=1 || present=0 ;;
+        SGLANG_GRPC_DIR) sglang_grpc_present && present=1 || present=0 ;;
         SGLANG_MM_MODEL_DIR) sglang_mm_model_present && present=1 || present=0 ;;
         SGLANG_MM_SITE_DIR) sglang_mm_site_present && present=1 || present=0 ;;
         esac

@@ -18,11 +18,15 @@ as soon as its scheduler is up (about 15 s here). What its own checks say (measu
 
 - ``grpc.health.v1`` Check("") is a flag set at start-up: SERVING for as long as the launcher
   lives, a frozen scheduler or not; Check(the service) adds one rule, NOT_SERVING once the
-  scheduler has pushed nothing for 30 s with requests pending;
+  scheduler has pushed nothing for 30 s with a request pending (22.7 s after a SIGSTOP once);
+  with nothing pending it stays SERVING (still after 37 s frozen);
 - its ``HealthCheck`` RPC submits a 1-token generation and answers healthy at the scheduler's
-  next push of anything, unhealthy only after ``SGLANG_HEALTH_CHECK_TIMEOUT`` (20 s);
-- ``Abort`` answers at once, the scheduler frozen or not (the request manager forgets the
-  request and queues an abort for the scheduler).
+  next push of anything (0.5 s), and with the scheduler frozen "unhealthy: Health check timeout
+  after 20s" only after ``SGLANG_HEALTH_CHECK_TIMEOUT`` (20.1 s);
+- ``Abort`` answers success in 2-3 ms, the scheduler frozen or not, and the work stops: a
+  queued request is never prefilled, a running one stops decoding. The aborted ``Generate``
+  itself is never ended, though: it stays open until the client's own deadline;
+- scheduler killed: the gRPC port refuses within a second and the launcher exits 1 in about 3 s.
 
 Start it only inside ``tests.support.netns`` (the module fixture ``isolated``), as
 :mod:`tests.support.sglang_engine`: the scheduler opens a listener on all interfaces.
