@@ -130,6 +130,11 @@ def test_the_canary_passes_over_the_scheduler_service(server, sidecar):
     assert answer.headers["content-type"].startswith("application/openmetrics-text")
     assert "sglang_num_running_reqs" in names
     assert "sglang:num_running_reqs" not in names
+    # The sidecar reads them under those names (GrpcSglangProber.progress).
+    readable = wait_until(
+        lambda: generate(side)["progress"]["readable"], 5, interval=0.1, what="progress read"
+    )
+    assert readable
 
 
 def test_a_stopped_scheduler_is_notready_while_its_own_checks_say_serving(server, sidecar):

@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any, ClassVar
 
+from sidecar.core.evidence.progress import ProgressSpec, Series
 from sidecar.probes.base import PROMPT_TOKEN_IDS, CanaryRequest, Prober, Role
 from sidecar.probes.grpc.base import FINISHED, GrpcProber
 from sidecar.probes.role import Backend, Mode
@@ -27,12 +29,31 @@ from sidecar.probes.sglang import FAKE_BOOTSTRAP_HOST, SglangProber, bootstrap_r
 ROOMS = 1 << 31
 
 
+def _colon_escaped(spec: ProgressSpec) -> ProgressSpec:
+    """SGLang's series as its --smg-grpc-mode side server serves them: OpenMetrics, whose
+    sample names prometheus-client writes with the colon escaped (``sglang_num_running_reqs``
+    for ``sglang:num_running_reqs``; measured on 0.5.23 with smg-grpc-servicer 0.14.1). The
+    tokenizer manager's counters are not there (no tokenizer manager runs): the schedulers' are."""
+
+    def each(group: tuple[Series, ...]) -> tuple[Series, ...]:
+        return tuple(Series(s.name.replace(":", "_"), s.labels) for s in group)
+
+    return replace(
+        spec,
+        running=each(spec.running),
+        waiting=each(spec.waiting),
+        peer_wait=each(spec.peer_wait),
+        counters={category: each(group) for category, group in spec.counters.items()},
+    )
+
+
 class GrpcSglangProber(GrpcProber):
     backend: ClassVar[Backend] = Backend.SGLANG
     grpc_module: ClassVar[str] = "smg_grpc_proto.sglang_scheduler_pb2"
     service: ClassVar[str] = "sglang.grpc.scheduler.SglangScheduler"
     health_service: ClassVar[str | None] = ""
     http: ClassVar[type[Prober]] = SglangProber
+    progress: ProgressSpec = _colon_escaped(SglangProber.progress)
 
     def __init__(self, bootstrap_port: int = 8998) -> None:
         self.bootstrap_port = bootstrap_port
@@ -88,6 +109,7 @@ class GrpcSglangNativeProber(GrpcSglangProber):
     grpc_module: ClassVar[str] = "sidecar.runtime.sglang_native_pb"
     service: ClassVar[str] = NATIVE_SERVICE
     health_service: ClassVar[str | None] = None
+    progress: ProgressSpec = SglangProber.progress  # its HTTP server's /metrics, as over HTTP
 
     def body(self, role: Role, model: str | None, request_id: str) -> tuple[dict[str, Any], int]:
         scheduler, tokens = super().body(role, model, request_id)
