@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from bench._shared import code_version, load_average, metric_sum, rss_mb
+from bench._versions import DEFAULT_SCRATCH, scratch
 from tests.support.harness import LOOPBACK, FakeEngine, Sidecar, running
 from tests.support.processes import free_port
 
@@ -64,7 +65,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--canaries", type=int, default=2000)
     parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument("--scratch", type=Path, default=DEFAULT_SCRATCH)
     args = parser.parse_args(argv)
+    with scratch(args.scratch, "grpc-footprint"):  # logs and TMPDIR: nothing lands in /tmp
+        return run(args, argv)
+
+
+def run(args: argparse.Namespace, argv: list[str] | None) -> int:
     port = free_port()
     engine = FakeEngine("vllm", "aggregated", "--grpc-port", str(port))
     on = {"DYN_HEALTH_CHECK_ENABLED": "true", "SIDECAR_BACKEND": "vllm"}
