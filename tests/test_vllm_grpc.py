@@ -202,10 +202,13 @@ def test_timed_out_canaries_are_not_computed_when_the_engine_resumes(server, sid
 @spends("server")
 def test_a_killed_engine_core_is_not_serving_for_good_and_the_sidecar_restarts_it(server, sidecar):
     """Last in the module: the server does not come back. It stays up answering NOT_SERVING (the
-    HTTP server exits instead, in about 3 s): the sidecar's not-serving clock fails /live."""
+    HTTP server exits instead, in about 3 s): the sidecar's not-serving clock fails /live. The
+    sidecar sending canaries over the gRPC service turns 503 as well."""
     window = 2.0
     side = sidecar(env(server) | {"SIDECAR_LIVENESS_WINDOW": str(window)})
+    canary = sidecar(canary_env(server))
     side.wait_status(200, 5)
+    canary.wait_status(200, 10)
     os.kill(server.engine_core_pid(), signal.SIGKILL)
     killed = time.monotonic()
     answer = wait_until(
@@ -217,6 +220,8 @@ def test_a_killed_engine_core_is_not_serving_for_good_and_the_sidecar_restarts_i
     said = time.monotonic() - killed
     took = side.wait_status(503, 5)
     reason = generate(side)["reason"]
+    canary_took = canary.wait_status(503, BOUND)
+    canary_reason = generate(canary)["reason"]
     assert answer == "NOT_SERVING"
     assert reason == (
         f"engine not registered: grpc.health.v1 Check('{GRPC_ENGINE_SERVICE}') at "
@@ -229,5 +234,6 @@ def test_a_killed_engine_core_is_not_serving_for_good_and_the_sidecar_restarts_i
     assert server.check() == "NOT_SERVING"
     print(
         f"\nEngineCore killed: NOT_SERVING after {said:.2f} s, /health 503 {took:.2f} s later, "
-        f"/live 503 {restart:.2f} s after that (window {window:g} s); the server still up"
+        f"/live 503 {restart:.2f} s after that (window {window:g} s); the server still up; "
+        f"the canary's sidecar 503 {canary_took:.2f} s after that: {canary_reason}"
     )
