@@ -763,6 +763,16 @@ class Settings(BaseSettings):
             raise ValueError("not an absolute path")
         return value
 
+    @field_validator("grpc_service")
+    @classmethod
+    def _grpc_service(cls, value: str | None) -> str | None:
+        known = sorted({s for services in GRPC_SERVICES.values() for s in services})
+        if value is not None and value not in known:
+            raise ValueError(
+                f"not a gRPC generation service the sidecar knows ({', '.join(known)})"
+            )
+        return value
+
     @field_validator("model")
     @classmethod
     def _model(cls, value: str | None) -> str | None:

@@ -77,7 +77,10 @@ def canaries(side: Sidecar) -> dict[str, float]:
 def nothing_stored(server: VllmEncoder, timeout: float) -> None:
     """Poll until the connector's storage directory is empty (a timed-out canary's item may be
     written late and removed with the next canary's round)."""
-    wait_until(lambda: server.stored() == [], timeout, interval=0.05, what="an empty storage dir")
+    try:
+        wait_until(lambda: server.stored() == [], timeout, interval=0.05, what="empty storage")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; still stored: {server.stored()}") from None
 
 
 def canary_request(request_id: str) -> dict[str, Any]:
