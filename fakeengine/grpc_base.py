@@ -125,6 +125,9 @@ class Servicer:
     backend: ClassVar[str]
     module: ClassVar[str]  # the generated module in smg_grpc_proto
     service_name: ClassVar[str]  # the service's name in that module's proto
+    # The service's methods this fake serves, each by the method of the same name (the others
+    # answer UNIMPLEMENTED).
+    rpcs: ClassVar[tuple[str, ...]] = ("Generate", "Abort", "HealthCheck", "GetModelInfo")
 
     def __init__(self, state: EngineState) -> None:
         self.state = state
@@ -135,7 +138,18 @@ class Servicer:
         self._tasks: set[asyncio.Future[Any]] = set()
 
     def methods(self) -> dict[str, Method]:
-        raise NotImplementedError
+        """Each served method, its messages and streaming as the proto declares them."""
+        service = self.pb.DESCRIPTOR.services_by_name[self.service_name]
+        table = {}
+        for name in self.rpcs:
+            declared = service.methods_by_name[name]
+            table[name] = Method(
+                getattr(self, name),
+                getattr(self.pb, declared.input_type.name),
+                getattr(self.pb, declared.output_type.name),
+                declared.server_streaming,
+            )
+        return table
 
     def handler(self) -> grpc.GenericRpcHandler:
         handlers = {}

@@ -18,7 +18,6 @@ from fakeengine.grpc_base import (
     MAX_CONTEXT_LENGTH,
     VOCAB_SIZE,
     Context,
-    Method,
     Servicer,
     first_done,
 )
@@ -63,17 +62,6 @@ class SglangServicer(Servicer):
     backend = "sglang"
     module = "sglang_scheduler_pb2"
     service_name = "SglangScheduler"
-
-    def methods(self) -> dict[str, Method]:
-        pb = self.pb
-        return {
-            "Generate": Method(self.Generate, pb.GenerateRequest, pb.GenerateResponse, True),
-            "Abort": Method(self.Abort, pb.AbortRequest, pb.AbortResponse),
-            "HealthCheck": Method(self.HealthCheck, pb.HealthCheckRequest, pb.HealthCheckResponse),
-            "GetModelInfo": Method(
-                self.GetModelInfo, pb.GetModelInfoRequest, pb.GetModelInfoResponse
-            ),
-        }
 
     async def on_dead(self, context: Context) -> None:
         await context.abort(grpc.StatusCode.UNAVAILABLE, self.http.dead_message)

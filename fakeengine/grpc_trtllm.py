@@ -9,7 +9,7 @@ import grpc
 from google.protobuf.message import Message
 
 from fakeengine.backends.base import new_id
-from fakeengine.grpc_base import MAX_CONTEXT_LENGTH, VOCAB_SIZE, Context, Method, Servicer
+from fakeengine.grpc_base import MAX_CONTEXT_LENGTH, VOCAB_SIZE, Context, Servicer
 from fakeengine.state import EngineStopping, Job
 
 
@@ -41,19 +41,7 @@ class TrtllmServicer(Servicer):
     module = "trtllm_service_pb2"
     service_name = "TrtllmService"
 
-    def methods(self) -> dict[str, Method]:
-        pb = self.pb
-        return {
-            "Generate": Method(self.Generate, pb.GenerateRequest, pb.GenerateResponse, True),
-            "Abort": Method(self.Abort, pb.AbortRequest, pb.AbortResponse),
-            "HealthCheck": Method(self.HealthCheck, pb.HealthCheckRequest, pb.HealthCheckResponse),
-            "GetModelInfo": Method(
-                self.GetModelInfo, pb.GetModelInfoRequest, pb.GetModelInfoResponse
-            ),
-            "GetServerInfo": Method(
-                self.GetServerInfo, pb.GetServerInfoRequest, pb.GetServerInfoResponse
-            ),
-        }
+    rpcs = ("Generate", "Abort", "HealthCheck", "GetModelInfo", "GetServerInfo")
 
     async def on_generation_status(self, context: Context, status: int) -> None:
         code = grpc.StatusCode.INVALID_ARGUMENT if status < 500 else grpc.StatusCode.INTERNAL

@@ -10,7 +10,7 @@ import grpc
 from google.protobuf.message import Message
 
 from fakeengine.backends.base import new_id
-from fakeengine.grpc_base import MAX_CONTEXT_LENGTH, VOCAB_SIZE, Context, Method, Servicer
+from fakeengine.grpc_base import MAX_CONTEXT_LENGTH, VOCAB_SIZE, Context, Servicer
 from fakeengine.schemas import DEFAULT_MAX_TOKENS
 from fakeengine.state import EngineState, EngineStopping, Job, count_text_tokens
 
@@ -48,19 +48,7 @@ class VllmServicer(Servicer):
         super().__init__(state)
         self.started = time.time()
 
-    def methods(self) -> dict[str, Method]:
-        pb = self.pb
-        return {
-            "Generate": Method(self.Generate, pb.GenerateRequest, pb.GenerateResponse, True),
-            "Abort": Method(self.Abort, pb.AbortRequest, pb.AbortResponse),
-            "HealthCheck": Method(self.HealthCheck, pb.HealthCheckRequest, pb.HealthCheckResponse),
-            "GetModelInfo": Method(
-                self.GetModelInfo, pb.GetModelInfoRequest, pb.GetModelInfoResponse
-            ),
-            "GetServerInfo": Method(
-                self.GetServerInfo, pb.GetServerInfoRequest, pb.GetServerInfoResponse
-            ),
-        }
+    rpcs = ("Generate", "Abort", "HealthCheck", "GetModelInfo", "GetServerInfo")
 
     async def on_generation_status(self, context: Context, status: int) -> None:
         if status != self.ERROR_FINISH_STATUS:

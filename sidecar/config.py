@@ -871,6 +871,21 @@ def _grpc(s: Settings) -> bool:
     return s.transport is Transport.GRPC
 
 
+def _plain(s: Settings) -> bool:
+    """The canary goes to the engine's own HTTP API."""
+    return s.transport is Transport.HTTP
+
+
+_WHY_BACKEND = {
+    Transport.DYNAMO: "the Dynamo worker's backend decides its canary payload",
+    Transport.GRPC: "the engines whose gRPC services SGLang Model Gateway speaks",
+}
+_WHY_NOT_PINNED = {
+    Transport.DYNAMO: "a Dynamo worker's ranks are not pinned over its request plane",
+    Transport.GRPC: "canaries over gRPC are not pinned to a rank",
+}
+
+
 def _taken_by_grpc(s: Settings) -> str:
     return "system_port" if s.grpc_port == s.system_port else "control_port"
 
@@ -950,15 +965,6 @@ RULES: tuple[Rule, ...] = (
         ),
     ),
     Rule(
-        "backend",
-        lambda s: _grpc(s) and s.backend not in DYNAMO_BACKENDS,
-        lambda s: (
-            f"one of {', '.join(b.value for b in DYNAMO_BACKENDS)} with {_TRANSPORT}=grpc "
-            "(the engines whose gRPC services SGLang Model Gateway speaks)"
-        ),
-        lambda s: repr(s.backend.value),
-    ),
-    Rule(
         "grpc_service",
         lambda s: s.grpc_service is not None and not _grpc(s),
         lambda s: f"unset ({_TRANSPORT}={s.transport} calls no gRPC service)",
@@ -983,17 +989,6 @@ RULES: tuple[Rule, ...] = (
         ),
     ),
     Rule(
-        "dp_ranks",
-        lambda s: _grpc(s) and s.dp_ranks not in (None, 1),
-        lambda s: f"1 with {_TRANSPORT}=grpc (canaries over gRPC are not pinned to a rank)",
-        lambda s: str(s.dp_ranks),
-    ),
-    Rule(
-        "kv_peer_url",
-        lambda s: _grpc(s) and s.kv_peer_url is not None,
-        lambda s: f"unset with {_TRANSPORT}=grpc (the transfer probe speaks vLLM's HTTP API)",
-    ),
-    Rule(
         "canary_path",
         lambda s: _grpc(s) and s.canary_path is not None,
         lambda s: f"unset with {_TRANSPORT}=grpc (the canary is the service's Generate call)",
@@ -1012,28 +1007,28 @@ RULES: tuple[Rule, ...] = (
         lambda s: f"unset with {_TRANSPORT}=grpc (the gRPC channel sends no bearer token)",
         lambda s: "<hidden>",
     ),
+    # The transports other than the engine's HTTP API: the same three rules, each its reason.
     Rule(
         "backend",
-        lambda s: _dynamo(s) and s.backend not in DYNAMO_BACKENDS,
+        lambda s: not _plain(s) and s.backend not in DYNAMO_BACKENDS,
         lambda s: (
-            f"one of {', '.join(b.value for b in DYNAMO_BACKENDS)} with {_TRANSPORT}=dynamo "
-            "(the Dynamo worker's backend decides its canary payload)"
+            f"one of {', '.join(b.value for b in DYNAMO_BACKENDS)} with "
+            f"{_TRANSPORT}={s.transport} ({_WHY_BACKEND[s.transport]})"
         ),
         lambda s: repr(s.backend.value),
     ),
     Rule(
         "dp_ranks",
-        lambda s: _dynamo(s) and s.dp_ranks not in (None, 1),
-        lambda s: (
-            f"1 with {_TRANSPORT}=dynamo (a Dynamo worker's ranks are not pinned over its "
-            "request plane)"
-        ),
+        lambda s: not _plain(s) and s.dp_ranks not in (None, 1),
+        lambda s: f"1 with {_TRANSPORT}={s.transport} ({_WHY_NOT_PINNED[s.transport]})",
         lambda s: str(s.dp_ranks),
     ),
     Rule(
         "kv_peer_url",
-        lambda s: _dynamo(s) and s.kv_peer_url is not None,
-        lambda s: f"unset with {_TRANSPORT}=dynamo (the transfer probe speaks vLLM's HTTP API)",
+        lambda s: not _plain(s) and s.kv_peer_url is not None,
+        lambda s: (
+            f"unset with {_TRANSPORT}={s.transport} (the transfer probe speaks vLLM's HTTP API)"
+        ),
     ),
     Rule(
         "canary_path",
