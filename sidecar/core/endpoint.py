@@ -31,26 +31,10 @@ from sidecar.core.evidence.registration import RegistrationState, on_registratio
 from sidecar.core.evidence.result import Result
 from sidecar.core.evidence.transfers import TransferSample, TransferState, on_transfers
 
-# The endpoints the sidecar monitors. Dynamo names the generation endpoint "generate"; it is the
-# only one a canary can prove, so it is the only one a user may list.
-GENERATE = "generate"
-MONITORED_ENDPOINTS: tuple[str, ...] = (GENERATE,)
-# Endpoints that exist only when configured (kv_transfer: SIDECAR_KV_PEER_URL). They inform,
-# and gate readiness only when DYN_SYSTEM_USE_ENDPOINT_HEALTH_STATUS lists them.
-KV_TRANSFER = "kv_transfer"
-OPTIONAL_ENDPOINTS: tuple[str, ...] = (KV_TRANSFER,)
-
 
 def unit_name(endpoint: str, rank: int | None) -> str:
     """What one unit checks: the endpoint, or one data-parallel rank of it ("generate/rank1")."""
     return endpoint if rank is None else f"{endpoint}/rank{rank}"
-
-
-def asks_engine_http(has_canary: bool, *, over_grpc: bool) -> bool:
-    """Whether the engine's other HTTP routes (sleep, fault tolerance) are asked for a unit:
-    registered over gRPC, an engine may serve no HTTP at all (vLLM's gRPC server does not), and
-    only a canary shows that it does."""
-    return not over_grpc or has_canary
 
 
 @dataclass(frozen=True)
@@ -119,12 +103,16 @@ def apply_discovery(
 
 
 def apply_engine_health(
-    ep: EndpointState, status_code: int | None, status: str | None, detail: str, at: float
+    ep: EndpointState,
+    ready: bool | None,
+    status: str | None,
+    detail: str,
+    at: float,
+    status_code: int | None = None,
 ) -> EndpointState:
-    """What the engine's own health route said (where it is not the registration check)."""
-    return replace(
-        ep, engine_health=on_engine_health(ep.engine_health, status_code, status, detail, at)
-    )
+    """What the engine said of itself (where it is not the registration check)."""
+    health = on_engine_health(ep.engine_health, ready, status, detail, at, status_code)
+    return replace(ep, engine_health=health)
 
 
 def apply_faults(

@@ -112,12 +112,14 @@ class DiscoverySaid:
 
 @dataclass(frozen=True)
 class EngineHealthSaid:
-    """What the engine's own health route answered, where it is not the registration check."""
+    """What the engine said of itself, where it is not the registration check (a Dynamo
+    worker's /health, OpenEngine's inference probe); ``ready`` None: no answer."""
 
     unit: str
-    status_code: int | None
+    ready: bool | None
     status: str | None
     detail: str
+    status_code: int | None = None  # where it answered over HTTP
 
 
 @dataclass(frozen=True)

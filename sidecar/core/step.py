@@ -280,9 +280,9 @@ def _discovery(c: _Changes, obs: DiscoverySaid) -> None:
 
 def _engine_health(c: _Changes, obs: EngineHealthSaid) -> None:
     unit, before = obs.unit, c.snap.endpoints[obs.unit]
-    after = apply_engine_health(before, obs.status_code, obs.status, obs.detail, c.now)
+    after = apply_engine_health(before, obs.ready, obs.status, obs.detail, c.now, obs.status_code)
     if after.engine_health.says_ready != before.engine_health.says_ready:
-        c.say(f"{unit}: the engine's own health route: {obs.detail}", unit=unit)
+        c.say(f"{unit}: the engine's own health: {obs.detail}", unit=unit)
     c.endpoints[unit] = after
 
 

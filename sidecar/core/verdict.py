@@ -52,13 +52,7 @@ from enum import StrEnum
 
 from sidecar.core.endpoint import EndpointState, parked
 from sidecar.core.evidence.policy import Policy
-
-
-class StartingStatus(StrEnum):
-    """DYN_SYSTEM_STARTING_HEALTH_STATUS: what an endpoint with no verdict yet counts as."""
-
-    READY = "ready"
-    NOTREADY = "notready"
+from sidecar.core.vocabulary import Cause, StartingStatus
 
 
 @dataclass(frozen=True)
@@ -251,62 +245,6 @@ def decide_readiness(
             f"{', '.join(undecided)}: no verdict yet; DYN_SYSTEM_STARTING_HEALTH_STATUS={starting}",
         )
     return Readiness(True, rule, "; ".join(f"{n}: {verdicts[n].reason}" for n in names))
-
-
-class Cause(StrEnum):
-    """A liveness clock: its name (the value), what it is in a few words (:attr:`brief`), and what
-    starts and ends it (:attr:`description`)."""
-
-    REGISTRATION = "registration timing out"
-    CANARY = "canary failing hard"
-    STALL = "stalled"
-    UNDISCOVERABLE = "not discoverable"
-    FAULT = "engine reports a fault"
-    NOT_SERVING = "engine says it is not serving"
-
-    @property
-    def brief(self) -> str:
-        return _CAUSES[self][0]
-
-    @property
-    def description(self) -> str:
-        return _CAUSES[self][1]
-
-
-_CAUSES: dict[Cause, tuple[str, str]] = {
-    Cause.REGISTRATION: (
-        "a role without a canary whose health route hangs",
-        "for a role without a canary: the health route accepts connections and does not answer "
-        "(started by an unexcused timeout; ended by any answer, or by a timeout while the "
-        "counters advance). With a canary, such a timeout sends one, whose clock decides",
-    ),
-    Cause.CANARY: (
-        "timeouts, 5xx",
-        "timeouts, 5xx, a rejection of a canary that passed before (ended by a pass, a failure "
-        "that is not hard, or a timeout excused by other work's progress)",
-    ),
-    Cause.STALL: (
-        "work in flight with quiet counters, confirmed by a canary",
-        "a stall a canary confirmed (ended as the canary clock)",
-    ),
-    Cause.UNDISCOVERABLE: (
-        "an instance gone from discovery while it answers",
-        "a Dynamo worker's instance, listed before in this incarnation, gone from discovery "
-        "while its system server answers (ended when it is listed again, or the worker stops "
-        "answering: only a restart registers an orphaned worker again)",
-    ),
-    Cause.FAULT: (
-        "vLLM's fault tolerance says unhealthy or dead",
-        "vLLM's fault-tolerance status says the rank is unhealthy or dead (started by the first "
-        "read that says so; ended when it reports healthy, or recovering)",
-    ),
-    Cause.NOT_SERVING: (
-        "its gRPC health answers NOT_SERVING after SERVING",
-        "its gRPC health (SIDECAR_REGISTRATION) answers NOT_SERVING after it answered SERVING, "
-        "from a server that stays up (vLLM's gRPC server with its engine dead does so for good); "
-        "started by the first NOT_SERVING, ended by SERVING or a refusal",
-    ),
-}
 
 
 def liveness_causes(

@@ -1,8 +1,8 @@
-"""What every canary probe does, over HTTP and over Dynamo's request plane alike, as
-blackbox_exporter's probers each send, judge and stop their own request: send the request the
-backend's prober built through the kind's channel with the whole-answer deadline, judge what came
-back (:func:`sidecar.probes.judge.judge`), and stop it on the engine if it timed out. The kinds
-(``sidecar/probes/http.py``, ``sidecar/probes/dynamo/canary.py``) add only what is theirs.
+"""What every canary probe does, whatever its transport, as blackbox_exporter's probers each send,
+judge and stop their own request: send the request the wire's prober built through the
+transport's channel with the whole-answer deadline, judge what came back
+(:func:`sidecar.probes.judge.judge`), and stop it on the engine if it timed out. A transport adds
+only what is its own (HTTP: ``sidecar/transports/http/canary.py``).
 
 A canary that times out must not stay on the engine. What stops it is the backend's (its
 prober's, measured on each real engine: docs/concepts/backends.md):
@@ -54,9 +54,6 @@ class Canary:
     """One kind's canary probe: its channel, its timeout, what it removes (the sweeper), and the
     canaries it keeps waiting on the engine."""
 
-    # What a kept canary waits on, in its reason.
-    holds_on: str = "connection"
-
     def __init__(
         self,
         channel: Channel,
@@ -65,8 +62,12 @@ class Canary:
         clock: Callable[[], float] = time.monotonic,
         abort_timeout: float = ABORT_TIMEOUT,
         sweeper: Sweeper | None = None,
+        holds_on: str = "connection",
     ) -> None:
+        """``holds_on``: what a kept canary waits on, in its reason (a connection, a stream, a
+        call)."""
         self.channel = channel
+        self.holds_on = holds_on
         self.sweeper = sweeper
         self.timeout = timeout
         self.clock = clock

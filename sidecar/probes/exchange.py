@@ -1,10 +1,13 @@
-"""What a transport hands back to a probe: what it received, and when. Transports judge
-nothing; the probe judges (:mod:`sidecar.probes.judge`).
+"""What a transport hands back: to a probe, what its request received, and when; to the monitor,
+what a registration check found. Transports judge nothing; the probe judges
+(:mod:`sidecar.probes.judge`).
 
-A transport is any object with ``send(request, deadline) -> Received`` (:class:`Channel`): the
-engine client over HTTP (``sidecar/runtime/engine.py``), the Dynamo worker over its request plane
-(``sidecar/runtime/requestplane/worker.py``). It keeps the deadline over the whole answer and
-never raises for what the engine does: no answer is a :class:`NoAnswer` with its reason.
+A transport's channel is any object with ``send(request, deadline) -> Received``
+(:class:`Channel`): the engine client over HTTP (``sidecar/runtime/engine.py``), a Dynamo worker
+over its request plane, an engine's gRPC server (each in ``sidecar/transports/<transport>/``).
+It keeps the deadline over the whole answer and never raises for what the engine does: no
+answer is a :class:`NoAnswer` with its reason. Every transport's registration check has one
+signature (:class:`Registration`): it answers a :class:`Checked`.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from sidecar.core.evidence.result import Outcome
 
 if TYPE_CHECKING:
+    from sidecar.core.evidence.result import Result
     from sidecar.probes.base import CanaryRequest
 
 ERROR_TEXT_CHARS = 200
@@ -34,8 +38,8 @@ class Answer:
 
 @dataclass(frozen=True)
 class Streamed:
-    """A Dynamo worker's whole stream: its chunks in order, or the error event it ended with (its
-    handler refused the request)."""
+    """A whole stream (a Dynamo worker's chunks, a gRPC call's messages) in order, or the error
+    event it ended with (the handler refused the request)."""
 
     chunks: tuple[Any, ...]
     error: str | None = None
@@ -110,3 +114,50 @@ def parsed_answer(answer: Answer | Streamed | NoAnswer) -> Any:
         return json.loads(answer.body)
     except ValueError:
         return None
+
+
+@dataclass(frozen=True)
+class EngineHealth:
+    """The engine's own opinion of itself, where it is not the registration check (a Dynamo
+    worker's /health, OpenEngine's inference probe): shown beside the verdict, never a gate.
+    ``ready`` None: no answer."""
+
+    ready: bool | None
+    status: str | None
+    detail: str
+    code: int | None = None  # the HTTP status, where it answered over HTTP
+
+
+@dataclass(frozen=True)
+class Listed:
+    """Whether the discovery the router uses lists the worker's instance (a Dynamo worker);
+    ``listed`` None: not asked."""
+
+    listed: bool | None
+    instance: str | None
+    where: str
+
+
+@dataclass(frozen=True)
+class Checked:
+    """What one registration check found: the registration itself, and, where the transport
+    asks them with it, the engine's own opinion and whether discovery lists it."""
+
+    registration: Result
+    engine_health: EngineHealth | None = None
+    listed: Listed | None = None
+
+
+class Registration(Protocol):
+    """A transport's registration check: one call per registration interval, within its own
+    deadline, never raising for what the engine does."""
+
+    async def __call__(self) -> Checked: ...
+
+    async def aclose(self) -> None: ...
+
+
+class MetricsSource(Protocol):
+    """Where the engine's metrics are read: its Prometheus text, or None and why not."""
+
+    async def metrics_text(self, path: str) -> tuple[str | None, str]: ...

@@ -1,31 +1,23 @@
-"""The kinds of probe and their one protocol, as blackbox_exporter's probers share one
-signature and one map (prober/handler.go).
+"""The one protocol every probe follows, as blackbox_exporter's probers share one signature
+(prober/handler.go): each transport's canary probe (the common probe of
+:mod:`sidecar.probes.canary`, through the transport's channel: ``sidecar/transports/<t>/``) and
+the KV transfer probe (:mod:`sidecar.probes.transfer`).
 
-Each kind lives in a file of its own:
-
-- ``http``: a canary over the engine's HTTP API (:mod:`sidecar.probes.http`; its body per
-  backend in ``sidecar/probes/<backend>.py``);
-- ``dynamo``: a canary over Dynamo's request plane, straight to this pod's worker instance
-  (:mod:`sidecar.probes.dynamo.canary`; its payload per backend in
-  ``sidecar/probes/dynamo/<backend>.py``);
-- ``grpc``: a canary over the engine's gRPC generation service (:mod:`sidecar.probes.grpc.canary`;
-  its request per backend in ``sidecar/probes/grpc/<backend>.py``);
-- ``transfer``: the KV transfer probe of a vLLM decode worker (:mod:`sidecar.probes.transfer`).
-
-The monitor holds one map from kind to probe (built in :mod:`sidecar.wiring`) and sends
-each unit's probe through it: ``await probes[plan.probe](plan, request, model)``.
+The monitor holds one map from kind to probe (built in :mod:`sidecar.wiring`; a kind is the
+transport's name, or :data:`~sidecar.probes.base.TRANSFER`) and sends each unit's probe through
+it: ``await probes[plan.probe](plan, request, model)``.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol
 
-from sidecar.probes.base import CanaryPlan, CanaryRequest, ProbeKind
+from sidecar.probes.base import CanaryPlan, CanaryRequest
 
 if TYPE_CHECKING:
     from sidecar.core.evidence.result import Result
 
-__all__ = ["Probe", "ProbeKind"]
+__all__ = ["Probe"]
 
 
 class Probe(Protocol):

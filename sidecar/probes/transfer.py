@@ -28,7 +28,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from sidecar.core.evidence.result import Outcome, Result
-from sidecar.probes.base import CanaryPlan, CanaryRequest, token_completion_body
+from sidecar.probes.base import CanaryPlan, CanaryRequest
+from sidecar.probes.completions import token_completion_body
 from sidecar.probes.exchange import Answer, Channel, NoAnswer, error_text
 
 # What vLLM's NIXL connector reads in a prefill request: "keep the KV, a decoder will pull it".

@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 
-from sidecar.core.endpoint import asks_engine_http
 from sidecar.core.snapshot import Snapshot, UnitSpec
 from sidecar.probes.base import CanaryPlan
 
@@ -22,8 +21,8 @@ def unit_specs(plans: Iterable[CanaryPlan], *, ranks: int, model: str | None) ->
     configuration fixed) when its canary can be pinned to one; ``model``: SIDECAR_MODEL."""
     specs = []
     for plan in plans:
-        pinned = plan.probe.is_canary
-        wants = plan.enabled and plan.override is None and plan.prober.needs_model
+        pinned = plan.is_canary
+        wants = plan.wants_model
         for rank in range(ranks) if pinned and ranks > 1 else [None]:
             specs.append(
                 UnitSpec(
@@ -57,22 +56,21 @@ class Asks:
     faults: Mapping[str, tuple[str, ...]]
 
 
-def asks(snap: Snapshot, plans: Mapping[str, CanaryPlan], *, over_grpc: bool) -> Asks:
-    """Which units each route is asked for now: a registered unit of a backend that serves the
-    route, over HTTP; not again once the route was found missing (404) in this incarnation. The
-    fault-tolerance status is a canary unit's (the transfer probe has no rank to report on)."""
+def asks(snap: Snapshot, plans: Mapping[str, CanaryPlan]) -> Asks:
+    """Which units each route is asked for now: a registered unit whose plan reads the route
+    (its transport resolved whether it can); not again once the route was found missing (404) in
+    this incarnation. The fault-tolerance status is a canary unit's (the transfer probe has no
+    rank to report on)."""
     sleep: dict[str, tuple[str, ...]] = {}
     faults: dict[str, tuple[str, ...]] = {}
     for unit, plan in plans_of(snap, plans).items():
         ep = snap.endpoints[unit]
-        if not ep.registration.registered or not asks_engine_http(
-            plan.enabled, over_grpc=over_grpc
-        ):
+        if not ep.registration.registered:
             continue
-        path = plan.prober.sleep_path
+        path = plan.reads.sleep_path
         if path and not ep.lifecycle.sleep_route_missing:
             sleep[path] = (*sleep.get(path, ()), unit)
-        path = plan.prober.fault_path
-        if path and plan.probe.is_canary and not ep.faults.missing:
+        path = plan.reads.fault_path
+        if path and plan.is_canary and not ep.faults.missing:
             faults[path] = (*faults.get(path, ()), unit)
     return Asks(sleep, faults)

@@ -39,6 +39,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from sidecar.core.evidence.result import Outcome, Result
+from sidecar.probes.exchange import Checked
 from sidecar.runtime.grpctarget import GrpcTarget
 
 _SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -71,8 +72,12 @@ class GrpcRegistration:
         """How a reason names the question: Check('service') at host:port."""
         return f"grpc.health.v1 Check({self.target.service!r}) at {self.target.address}"
 
-    async def __call__(self) -> Result:
+    async def __call__(self) -> Checked:
         """One Check, within the deadline; never raises for anything the engine does."""
+        return Checked(await self.check())
+
+    async def check(self) -> Result:
+        """One Check's result."""
         started = self.clock()
 
         def result(outcome: Outcome, reason: str, *, not_serving: bool = False) -> Result:

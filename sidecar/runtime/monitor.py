@@ -4,12 +4,11 @@ owned by the loop; it does the I/O and hands what it saw, as observations
 (:mod:`sidecar.core.observations`), to :meth:`Health.observe`, the pure step. What to ask and
 how to weigh it is decided in the core and in ``sidecar/probes/``; this module only asks.
 
-- Registration: GET the engine's own health route every SIDECAR_REGISTRATION_INTERVAL (and learn
-  the served model for the units that want it, :meth:`Snapshot.wants_model`; ask the routes
-  :func:`sidecar.probes.units.asks` names: sleep, fault tolerance). A Dynamo worker
-  (SIDECAR_TRANSPORT=dynamo) is checked by
-  :class:`sidecar.runtime.requestplane.worker.DynamoWorker` instead: its instance, its own
-  /health and whether discovery lists it; its canaries go over the request plane.
+- Registration: the transport's registration check every SIDECAR_REGISTRATION_INTERVAL (one
+  signature for every transport: :class:`~sidecar.probes.exchange.Registration`; with it, where
+  the transport asks them, the engine's own opinion and whether discovery lists it); then learn
+  the served model for the units that want it (:meth:`Snapshot.wants_model`) and ask the routes
+  :func:`sidecar.probes.units.asks` names (sleep, fault tolerance).
 - Metrics: GET and parse the engine's metrics once every SIDECAR_METRICS_INTERVAL, for all its
   units: each rank's progress, the failed-transfer counters, the sleep-state gauge. Never two
   reads of one route at a time (:class:`Reads`).
@@ -32,7 +31,6 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from sidecar.core.endpoint import maintenance_due, suspected
 from sidecar.core.evidence.faults import read_status, report_for
@@ -65,42 +63,26 @@ from sidecar.core.observations import (
     TransfersRead,
 )
 from sidecar.core.schedule import Job, Timing, Work, next_due
-from sidecar.probes.base import CanaryPlan
-from sidecar.probes.exchange import NoAnswer
-from sidecar.probes.kinds import Probe, ProbeKind
+from sidecar.probes.base import TRANSFER, CanaryPlan
+from sidecar.probes.exchange import MetricsSource, NoAnswer, Registration
+from sidecar.probes.kinds import Probe
 from sidecar.probes.units import asks, plans_of
 from sidecar.runtime.engine import EngineClient
 from sidecar.runtime.health import Health
-
-if TYPE_CHECKING:
-    from sidecar.runtime.grpcengine import RpcRegistration
-    from sidecar.runtime.grpcregistration import GrpcRegistration
-    from sidecar.runtime.requestplane.worker import DynamoWorker
 
 log = logging.getLogger("sidecar.monitor")
 
 
 @dataclass(frozen=True)
 class EngineParts:
-    """What the monitor reaches the engine with: the engine client (its own routes), one probe
-    per kind (:mod:`sidecar.probes.kinds`), and, where configured, the Dynamo worker or the
-    engine's gRPC health service, which then answer the registration check."""
+    """What the monitor reaches the engine with: the engine's HTTP routes (None: it serves none
+    the sidecar reads), one probe per kind (:mod:`sidecar.probes.kinds`), the transport's
+    registration check, and where its metrics are read (None: not read)."""
 
-    client: EngineClient
-    probes: Mapping[ProbeKind, Probe]
-    worker: DynamoWorker | None = None
-    grpc_registration: GrpcRegistration | RpcRegistration | None = None
-
-
-@dataclass(frozen=True)
-class Routes:
-    """The engine's routes the monitor reads: its registration check, and its metrics
-    (SIDECAR_METRICS_PATH; None: each backend's own)."""
-
-    registration: str
-    metrics: str | None = None
-    # Registered on any HTTP answer below 500 (an engine with no cheap route that answers 200).
-    any_status: bool = False
+    client: EngineClient | None
+    probes: Mapping[str, Probe]
+    registration: Registration
+    metrics: MetricsSource | None = None
 
 
 @dataclass(frozen=True)
@@ -125,7 +107,7 @@ class Reads:
 
     def __init__(
         self,
-        client: EngineClient,
+        client: MetricsSource | None,
         clock: Callable[[], float],
         sent: Mapping[str, int],
         done: Mapping[str, int],
@@ -156,7 +138,10 @@ class Reads:
         started = self.clock()
         done = dict(self._done)  # finished before the read began
         try:
-            text, why = await self.client.metrics_text(path)
+            if self.client is None:
+                text, why = None, f"GET {path}: the engine's metrics are not read here"
+            else:
+                text, why = await self.client.metrics_text(path)
         finally:
             del self._flight[path]
         sent = dict(self._sent)  # started before the read ended
@@ -185,7 +170,7 @@ async def wait_event(event: asyncio.Event, seconds: float | None) -> None:
 
 
 def _probe_of(plan: CanaryPlan) -> Job | None:
-    if plan.probe is ProbeKind.TRANSFER:
+    if plan.probe == TRANSFER:
         return Job.TRANSFER
     return Job.CANARY if plan.enabled else None
 
@@ -197,7 +182,6 @@ class Monitor:
         engine: EngineParts,
         plans: Mapping[str, CanaryPlan],
         timing: Timing,
-        routes: Routes,
     ) -> None:
         """``plans``: each endpoint's plan (a rank's is its endpoint's, pinned)."""
         self.health = health
@@ -205,7 +189,6 @@ class Monitor:
         self.client = engine.client
         self.plans = plans
         self.timing = timing
-        self.routes = routes
         # The loop's own state: set by the one who changes the state, cleared by the loop.
         self._wake = asyncio.Event()
         self._running: dict[Work, asyncio.Task[None]] = {}
@@ -213,10 +196,10 @@ class Monitor:
         # Canaries sent, and finished, so far, per unit: each metrics read notes both.
         self._sent: dict[str, int] = {}
         self._done: dict[str, int] = {}
-        self.reads = Reads(engine.client, health.clock, self._sent, self._done)
+        self.reads = Reads(engine.metrics, health.clock, self._sent, self._done)
 
     @property
-    def probes(self) -> Mapping[ProbeKind, Probe]:
+    def probes(self) -> Mapping[str, Probe]:
         return self.engine.probes
 
     def unit_plans(self) -> dict[str, CanaryPlan]:
@@ -298,16 +281,13 @@ class Monitor:
             self._wake.set()  # the loop looks again: this work is no longer in flight
 
     # --- the engine's own routes ------------------------------------------------------------
-    def _metrics_path(self, plan: CanaryPlan) -> str:
-        return plan.progress_spec(self.routes.metrics).path
-
     async def _count_ranks(self, _: str) -> None:
         """SIDECAR_DP_RANKS=auto: the ranks the engine's in-flight gauges name, for the step."""
         incarnation = self.health.snapshot.incarnation()
-        canary = next(p for p in self.plans.values() if p.probe.is_canary)
-        label = canary.prober.rank_label
-        assert label is not None  # the configuration refuses auto without one
-        spec = canary.progress_spec(self.routes.metrics)
+        canary = next(p for p in self.plans.values() if p.is_canary)
+        assert canary.reads.pin is not None  # auto only where a canary can be pinned
+        label = canary.reads.pin.label
+        spec = canary.progress_spec()
         read = await self.reads.since(spec.path, self.health.clock() - self._slack())
         found = ranks_in(read.text, (*spec.running, *spec.waiting), label) if read.text else ()
         if found:  # not yet while the metrics do not name them
@@ -319,47 +299,31 @@ class Monitor:
         return (self.timing.metrics or self.timing.registration) / 2
 
     async def _registration(self, _: str) -> None:
-        """The engine's own health route, once per interval for all its units."""
-        if self.engine.worker is not None:
-            await self._check_worker(self.engine.worker)
-        else:
-            await self._check_registration()
-
-    async def _check_worker(self, worker: DynamoWorker) -> None:
-        check = await worker.check()
-        health = check.engine_health
-        instance = str(check.instance) if check.instance is not None else None
-        for unit in list(self.health.snapshot.endpoints):
-            self.observe(Registered(unit, check.registration))
-            self.observe(EngineHealthSaid(unit, health.status_code, health.status, health.detail))
-            self.observe(DiscoverySaid(unit, check.listed, instance, worker.plane.where))
-
-    async def _check_registration(self) -> None:
-        grpc = self.engine.grpc_registration
-        result: Result
-        if grpc is not None:
-            result = await grpc()
-        else:
-            result = await self.client.registration(
-                self.routes.registration, any_status=self.routes.any_status
-            )
+        """The transport's registration check, once per interval for all its units, with what it
+        brings: the served model, the engine's own opinion, whether discovery lists it."""
+        checked = await self.engine.registration()
+        result = checked.registration
         wanting = self.health.snapshot.wants_model() if result.ok else []
-        if wanting:
+        if wanting and self.client is not None:
             model, why = await self.client.served_model()
-            for unit in wanting:
-                if unit in self.health.snapshot.endpoints:
-                    self.observe(ModelServed(unit, model, why))
+            for unit in self._present(tuple(wanting)):
+                self.observe(ModelServed(unit, model, why))
+        health, listed = checked.engine_health, checked.listed
         for unit in list(self.health.snapshot.endpoints):
             self.observe(Registered(unit, result))
+            if health is not None:
+                self.observe(
+                    EngineHealthSaid(unit, health.ready, health.status, health.detail, health.code)
+                )
+            if listed is not None:
+                self.observe(DiscoverySaid(unit, listed.listed, listed.instance, listed.where))
         await self._ask_routes()
 
     async def _ask_routes(self) -> None:
         """The routes the registration check brings: each asked once for its units."""
-        said = asks(
-            self.health.snapshot,
-            self.plans,
-            over_grpc=self.engine.grpc_registration is not None,
-        )
+        said = asks(self.health.snapshot, self.plans)
+        if self.client is None:
+            return
         for path, units in said.sleep.items():
             sleeping, why, missing = await self.client.sleep_state(path)
             for unit in self._present(units):
@@ -382,9 +346,9 @@ class Monitor:
     def _readers(self) -> dict[str, tuple[CanaryPlan, ProgressSpec]]:
         """The units that read the engine's metrics: those with a canary."""
         return {
-            unit: (plan, plan.progress_spec(self.routes.metrics))
+            unit: (plan, plan.progress_spec())
             for unit, plan in self.unit_plans().items()
-            if plan.enabled and plan.probe is not ProbeKind.TRANSFER
+            if plan.enabled and plan.is_canary
         }
 
     async def _metrics(self, _: str) -> None:
@@ -424,7 +388,7 @@ class Monitor:
 
     # --- the probes -------------------------------------------------------------------------
     async def _transfer(self, unit: str) -> None:
-        probe = self.probes[ProbeKind.TRANSFER]
+        probe = self.probes[TRANSFER]
         plan = self.unit_plans()[unit]
         # Its registration check learns the served model, as a canary's does.
         snap = self.health.snapshot
@@ -472,7 +436,7 @@ class Monitor:
             request.request_id,
             " to confirm a stall suspicion" if confirming else "",
         )
-        spec = plan.progress_spec(self.routes.metrics)
+        spec = plan.progress_spec()
         self._sent[unit] = self._sent.get(unit, 0) + 1
         self._done.setdefault(unit, 0)
         # Its baseline: the engine-level read before it left, when that is within one interval

@@ -114,7 +114,12 @@ def _engine_health(ep: EndpointState) -> dict[str, Any] | None:
     state = ep.engine_health
     if not state.asked:
         return None  # the registration check is the engine's health route
-    return {"status_code": state.status_code, "status": state.status, "detail": state.detail}
+    return {
+        "ready": state.ready,
+        "status_code": state.status_code,
+        "status": state.status,
+        "detail": state.detail,
+    }
 
 
 def _check(ep: EndpointState, snap: Snapshot, now: float) -> dict[str, Any]:

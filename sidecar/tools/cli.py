@@ -1,6 +1,9 @@
 """Command line: ``health-sidecar`` serves; ``--check-config`` validates and prints the plan.
 
-Configuration errors print one line per bad variable on stderr and exit 2, with no traceback.
+Exit statuses (docs/reference/cli.md): 0 the configuration is valid (and, with --check-config,
+this machine has what starting it needs); 2 it is not: one line per bad variable on stderr, no
+traceback (also when a part refuses it at start); 3 it is valid but this machine lacks what
+starting it needs (an extra, a mounted directory), each named on one line.
 """
 
 from __future__ import annotations
@@ -10,9 +13,11 @@ import logging
 import sys
 
 from sidecar import __version__
-from sidecar.config import ConfigError, Settings, check_names, load_settings, names_set
+from sidecar.config import ConfigError, Settings, check_names, names_set
+from sidecar.wiring import Blueprint, load, resolve
 
 EXIT_CONFIG = 2
+EXIT_NOT_HERE = 3
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -75,38 +80,43 @@ def main(argv: list[str] | None = None) -> int:
         if demo:
             from sidecar.tools.demo import demo_defaults
 
-            settings = load_settings(args.env_file, demo_defaults())
+            settings = load(args.env_file, demo_defaults())
         else:
-            settings = load_settings(args.env_file)
+            settings = load(args.env_file)
     except ConfigError as exc:
         for line in exc.lines:
             print(f"health-sidecar: configuration error: {line}", file=sys.stderr)
         return EXIT_CONFIG
+    blueprint = resolve(settings)
     if args.check_config:
         from sidecar.tools.plan import render
 
-        print(render(settings, check_names(names_set(args.env_file)).ignored))
-        return 0
+        ignored = check_names(names_set(args.env_file), blueprint_passes(blueprint)).ignored
+        print(render(blueprint, ignored))
+        return EXIT_NOT_HERE if blueprint.missing else 0
     if args.command == "probes":
         from sidecar.tools.probes import render as render_probes
 
         try:
-            print(render_probes(settings, args.max_load_seconds, grpc=args.grpc))
+            print(render_probes(blueprint, args.max_load_seconds, grpc=args.grpc))
         except ValueError as exc:
             print(f"health-sidecar: {exc}", file=sys.stderr)
             return EXIT_CONFIG
         return 0
-    from sidecar.wiring import missing_for, run
-
-    missing = missing_for(
-        settings
-    )  # what is installed here: checked at start, never in --check-config
-    if missing is not None:
-        print(f"health-sidecar: cannot start: {missing}", file=sys.stderr)
-        return EXIT_CONFIG
+    if blueprint.missing:  # what this machine lacks: --check-config says it too
+        for why in blueprint.missing:
+            print(f"health-sidecar: cannot start: {why}", file=sys.stderr)
+        return EXIT_NOT_HERE
     _configure_logging(settings)
     if demo:
         from sidecar.tools.demo import run as run_demo
 
-        return run_demo(settings)
-    return run(settings)
+        return run_demo(blueprint)
+    from sidecar.wiring import run
+
+    return run(blueprint)
+
+
+def blueprint_passes(blueprint: Blueprint) -> tuple[str, ...]:
+    """The variables the chosen transport hands on (its client reads them)."""
+    return blueprint.transport.passes

@@ -27,7 +27,7 @@ from pathlib import Path
 import httpx
 
 from sidecar.config import Settings
-from sidecar.probes import plan_canary
+from sidecar.wiring import Blueprint, resolve
 
 LOOPBACK = "127.0.0.1"
 DEMO_DEFAULTS = {
@@ -116,9 +116,10 @@ def _look(url: str, registration: str) -> Found:
     return asyncio.run(look())
 
 
-def timings(settings: Settings) -> str:
+def timings(blueprint: Blueprint) -> str:
     """The demo's timings, against serve's defaults, and the bounds they make (from the policy's
     own sums: sidecar/core/evidence/policy.py)."""
+    settings = blueprint.settings
     names = ("canary_wait_time", "request_timeout", "liveness_window")
     serve = [Settings.model_fields[name].default for name in names]
     ours = [getattr(settings, name) for name in names]
@@ -128,8 +129,7 @@ def timings(settings: Settings) -> str:
         f"demo: timings ({which}; serve's defaults: a canary every {serve[0]:g} s, "
         f"{serve[1]:g} s timeout, {serve[2]:g} s liveness window):"
     )
-    policy = settings.policy()
-    plan = plan_canary(settings.canary_config())
+    policy, plan = blueprint.policy, blueprint.plan
     if not plan.enabled:
         return (
             f"{head}\n  no canary ({plan.why}): the engine's health route is checked every "
@@ -174,16 +174,16 @@ def _fake_engine(backend: str, mode: str) -> Iterator[str]:
                 proc.wait()
 
 
-def run(settings: Settings) -> int:
-    from sidecar.wiring import registration_path
+def run(blueprint: Blueprint) -> int:
     from sidecar.wiring import run as serve
 
+    settings = blueprint.settings
     base = f"http://{settings.system_host}:{settings.system_port}"
-    registration = registration_path(settings, plan_canary(settings.canary_config()))
-    found = _look(settings.engine_url, registration)
+    api = blueprint.engine.api(blueprint.plan.role)
+    found = _look(settings.engine_url, settings.registration_path or api.registration_path)
     with contextlib.ExitStack() as stack:
         hint = ""
-        backend, mode = settings.backend.value, settings.disaggregation_mode.value
+        backend, mode = settings.backend, settings.disaggregation_mode.value
         if found.engine:
             print(
                 f"demo: using the {backend} engine that answers at {settings.engine_url} "
@@ -198,7 +198,7 @@ def run(settings: Settings) -> int:
             )
             print(f"demo: {where}; starting the fake {backend} engine ({mode})")
             url = stack.enter_context(_fake_engine(backend, mode))
-            settings = settings.model_copy(update={"engine_url": url})
+            blueprint = resolve(settings.model_copy(update={"engine_url": url}))
             fault = f"curl -s -X POST {url}/_fake/fault -H 'Content-Type: application/json'"
             hint = (
                 f"""  hang the engine's GPU loop:  {fault} -d '{{"hang_generation": true}}'\n"""
@@ -207,7 +207,7 @@ def run(settings: Settings) -> int:
         print(
             f"demo: sidecar on {base} (Ctrl-C to stop). Try:\n"
             f"  curl -s {base}/health\n  curl -s {base}/live\n  curl -s {base}/metrics\n{hint}"
-            f"{timings(settings)}",
+            f"{timings(blueprint)}",
             flush=True,
         )
-        return serve(settings)
+        return serve(blueprint)

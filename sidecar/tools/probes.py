@@ -32,11 +32,9 @@ from typing import Any
 
 import yaml
 
-from sidecar.config import Settings, Transport
 from sidecar.core.evidence.policy import Policy
-from sidecar.probes import plan_canary
 from sidecar.surface.grpcnames import LIVENESS, READINESS
-from sidecar.tools.plan import causes
+from sidecar.wiring import Blueprint
 
 READINESS_TARGET_SECONDS = 30.0
 """A hung engine leaves rotation within this many seconds (when the settings allow it)."""
@@ -52,7 +50,6 @@ LIVENESS_FAILURES = 3  # 30 s: rides out a restart of the sidecar (the probes' t
 LIVENESS_GRACE = 30  # probe-level terminationGracePeriodSeconds: a hung engine drains nothing
 WIDTH = 100
 BIND_ALL = ("0.0.0.0", "::", "[::]")
-DYNAMO_SYSTEM_PORT = 9090  # the port Dynamo's operator gives a worker's system server
 
 
 @dataclass(frozen=True)
@@ -97,25 +94,19 @@ def _secs(value: float) -> str:
     return f"{round(value, 3):g}"
 
 
-def size(settings: Settings, max_load_seconds: float) -> Sizing:
+def size(blueprint: Blueprint, max_load_seconds: float) -> Sizing:
     """Size the engine container's probes for this configuration and load time."""
     if not math.isfinite(max_load_seconds) or max_load_seconds <= 0:
         raise ValueError(f"--max-load-seconds must be a number > 0, not {max_load_seconds!r}")
-    s = settings
-    plan = plan_canary(s.canary_config())
-    canary = plan.enabled
-    policy = s.policy()  # the bounds and their terms: sidecar/core/evidence/policy.py
+    s = blueprint.settings
+    canary = blueprint.canary
+    policy = blueprint.policy  # the bounds and their terms: sidecar/core/evidence/policy.py
     load_to_ready = policy.to_ready(canary).seconds
     hang_to_notready = policy.to_notready(canary).seconds
     hang_to_notlive = policy.to_notlive(canary).seconds
-    # With work in flight, quiet counters raise a suspicion that one canary confirms.
-    # Not where no request shows in flight (a vLLM encoder's gauges read 0 under load).
-    stalls = (
-        canary
-        and s.progress_enabled
-        and s.metrics_reachable
-        and plan.prober.progress.in_flight_shown
-    )
+    # With work in flight, quiet counters raise a suspicion that one canary confirms, where the
+    # stall rule can run (the blueprint says).
+    stalls = canary and blueprint.stall_off is None
     stall_to_notready = policy.to_stalled().seconds if stalls else None
 
     startup = Probe(
@@ -168,9 +159,9 @@ class Target:
         return {"httpGet": {"path": path, "port": self.port}}
 
 
-def target(settings: Settings, grpc: bool = False) -> Target:
+def target(blueprint: Blueprint, grpc: bool = False) -> Target:
     """The HTTP routes, or (``grpc``) the gRPC health service: ValueError when it is off."""
-    s = settings
+    s = blueprint.settings
     if not grpc:
         return Target(s.system_port, False, s.health_path, s.live_path, "200", "503")
     if s.grpc_port is None:
@@ -217,34 +208,29 @@ def _probe(
     return lines
 
 
-def render(settings: Settings, max_load_seconds: float, grpc: bool = False) -> str:
+def render(blueprint: Blueprint, max_load_seconds: float, grpc: bool = False) -> str:
     """The engine container's probes as a YAML fragment with the arithmetic in comments;
     ``grpc``: as ``grpc:`` probes on the gRPC health service (ValueError when it is off)."""
-    t = target(settings, grpc)
-    z = size(settings, max_load_seconds)
+    t = target(blueprint, grpc)
+    z = size(blueprint, max_load_seconds)
     return "\n".join(
         [
-            *_header(settings, z, t),
+            *_header(blueprint, z, t),
             *_startup(z, t),
-            *_liveness(settings, z, t),
-            *_readiness(settings, z, t),
+            *_liveness(blueprint, z, t),
+            *_readiness(blueprint, z, t),
         ]
     )
 
 
-def _dynamo(s: Settings) -> bool:
-    return s.transport is Transport.DYNAMO
-
-
-def _header(s: Settings, z: Sizing, t: Target) -> list[str]:
+def _header(b: Blueprint, z: Sizing, t: Target) -> list[str]:
     """Where the probes go and what sized them, and a warning for each setting that defeats
     them."""
+    s = b.settings
     role = f"backend {s.backend}, mode {s.disaggregation_mode}, model type {s.model_type}"
     canary = "canary on" if z.canary else "no canary"
-    if _dynamo(s) and z.canary:
-        canary += ", over Dynamo's request plane to the worker instance of this pod"
-    if s.transport is Transport.GRPC and z.canary:
-        canary += f", over the engine's gRPC generation service at {s.engine_url}"
+    if z.canary:
+        canary += b.said.reaches
     lines = _comment(
         f"Probes for the engine container (paste them under it, not under the sidecar: a "
         f"liveness failure restarts only the container whose probe failed). They target the "
@@ -257,11 +243,8 @@ def _header(s: Settings, z: Sizing, t: Target) -> list[str]:
             f"WARNING: DYN_SYSTEM_HOST={s.system_host}: the kubelet probes the pod IP, so the "
             "sidecar must bind 0.0.0.0 for these probes to reach it."
         )
-    if _dynamo(s) and s.system_port == DYNAMO_SYSTEM_PORT:
-        lines += _comment(
-            f"WARNING: DYN_SYSTEM_PORT={s.system_port} is the Dynamo worker's own system port "
-            "under the operator: give the sidecar another (9091)."
-        )
+    for warning in b.said.warnings:
+        lines += _comment(warning)
     if z.hang_to_unready > READINESS_TARGET_SECONDS:
         lines += _comment(
             f"WARNING: a hung engine leaves rotation only after {_secs(z.hang_to_unready)} s, "
@@ -290,8 +273,8 @@ def _startup(z: Sizing, t: Target) -> list[str]:
     )
 
 
-def _liveness(s: Settings, z: Sizing, t: Target) -> list[str]:
-    lv = z.liveness
+def _liveness(b: Blueprint, z: Sizing, t: Target) -> list[str]:
+    s, lv = b.settings, z.liveness
     if z.canary:
         restart = (
             f"a hung engine is restarted within {_secs(z.hang_to_restart)} s "
@@ -303,7 +286,7 @@ def _liveness(s: Settings, z: Sizing, t: Target) -> list[str]:
             f"restarted, within {_secs(z.hang_to_restart)} s"
         )
     busy = "while canaries still pass however busy it is" if z.canary else "while it is busy"
-    clocks = "; ".join(f"{cause} ({cause.brief})" for cause in causes(s))
+    clocks = "; ".join(f"{cause} ({cause.brief})" for cause in b.causes)
     return _probe(
         "livenessProbe",
         f"{t.live} fails only after {_secs(s.liveness_window)} s on one liveness clock "
@@ -319,8 +302,8 @@ def _liveness(s: Settings, z: Sizing, t: Target) -> list[str]:
     )
 
 
-def _readiness(s: Settings, z: Sizing, t: Target) -> list[str]:
-    rd = z.readiness
+def _readiness(b: Blueprint, z: Sizing, t: Target) -> list[str]:
+    s, rd = b.settings, z.readiness
     if z.canary:
         detect = (
             f"{t.ready} turns {t.bad} within {_secs(z.hang_to_notready)} s of a hang "
@@ -339,11 +322,8 @@ def _readiness(s: Settings, z: Sizing, t: Target) -> list[str]:
             f"{_secs(z.hang_to_notready)} s of it failing or refusing. A hang behind a 200 "
             "health route is not seen without a canary."
         )
-    if _dynamo(s):
-        detect += (
-            " Under Dynamo's Kubernetes discovery a pod that is not Ready leaves the Frontend's "
-            "routing; under etcd, readiness gates rollouts and Services only."
-        )
+    if b.said.readiness:
+        detect += " " + b.said.readiness
     return _probe(
         "readinessProbe",
         detect,

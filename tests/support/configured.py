@@ -10,9 +10,9 @@ from collections.abc import Callable
 
 import pytest
 
-from sidecar.config import Settings, load_settings
+from sidecar.config import Settings
 from sidecar.runtime.health import Health
-from sidecar.wiring import health_for, plans_for
+from sidecar.wiring import Blueprint, check, health_for, load, resolve
 from tests.support.harness import ROOT, base_env
 
 
@@ -22,12 +22,28 @@ def settings_from(monkeypatch: pytest.MonkeyPatch, **env: str) -> Settings:
         monkeypatch.delenv(str(field.validation_alias), raising=False)
     for key, value in env.items():
         monkeypatch.setenv(key, value)
-    return load_settings()
+    return load()
+
+
+def blueprint_from(monkeypatch: pytest.MonkeyPatch, **env: str) -> Blueprint:
+    """What the sidecar resolves from exactly ``env`` (:func:`settings_from`)."""
+    return resolve(settings_from(monkeypatch, **env))
+
+
+def blueprint_of(**fields: object) -> Blueprint:
+    """What the sidecar resolves from settings given by field name (``backend="sglang"``),
+    checked as the loader checks them; the process environment is not read."""
+    settings = Settings.model_validate(
+        {str(Settings.model_fields[k].validation_alias): v for k, v in fields.items()}
+    )
+    problems = check(settings)
+    assert not problems, problems
+    return resolve(settings)
 
 
 def health_of(settings: Settings, clock: Callable[[], float] = time.monotonic) -> Health:
     """The state's writer the sidecar starts with for these settings (sidecar.wiring)."""
-    return health_for(settings, plans_for(settings), clock)
+    return health_for(resolve(settings), clock)
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

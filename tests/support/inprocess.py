@@ -45,10 +45,10 @@ from aiotools import VirtualClock
 from fakeengine.app import build_app
 from fakeengine.backends import BACKENDS
 from fakeengine.state import EngineConfig, EngineState, Rank
-from sidecar.config import Settings, broken_rules
+from sidecar.config import Settings
 from sidecar.core.events import Event
 from sidecar.runtime.health import Health
-from sidecar.wiring import Surface, health_for, monitor_main, plans_for, surface_for
+from sidecar.wiring import Surface, check, health_for, monitor_main, resolve, surface_for
 
 T = TypeVar("T")
 
@@ -402,7 +402,7 @@ def settings_of(env: Mapping[str, str]) -> Settings:
     """The settings of exactly ``env`` (FAST timings unless it says otherwise), validated as the
     sidecar validates them; the process environment is not read."""
     settings = Settings.model_validate(FAST | dict(env))
-    problems = broken_rules(settings)
+    problems = check(settings)
     assert not problems, problems
     return settings
 
@@ -415,9 +415,9 @@ async def running(
     clients connected to ``engines`` (by URL: SIDECAR_ENGINE_URL, SIDECAR_KV_PEER_URL)."""
     settings = settings_of(env)
     loop = asyncio.get_running_loop()
-    plans = plans_for(settings)
-    health = health_for(settings, plans, clock=loop.time)
-    surface = surface_for(settings, health)
+    blueprint = resolve(settings)
+    health = health_for(blueprint, clock=loop.time)
+    surface = surface_for(blueprint, health)
 
     def connect(url: str) -> httpx.AsyncBaseTransport:
         return engines[url]
@@ -425,9 +425,7 @@ async def running(
     async def inline(call: Callable[[], None]) -> None:
         call()  # the file system's calls (canary leftovers) on the loop: no thread, no real wait
 
-    monitor = asyncio.create_task(
-        monitor_main(settings, health, plans, connect=connect, offload=inline)
-    )
+    monitor = asyncio.create_task(monitor_main(blueprint, health, connect=connect, offload=inline))
     http = httpx.AsyncClient(transport=httpx.ASGITransport(app=surface.app), base_url="http://side")
     side = InProcessSidecar(settings, health, surface, engines, http)
     health.subscribe(side.hear)

@@ -1,5 +1,6 @@
-"""The engine's own health route, where it is not the registration check: a Dynamo worker's
-/health on its system server (SIDECAR_TRANSPORT=dynamo).
+"""The engine's own opinion of itself, where it is not the registration check: a Dynamo worker's
+/health on its system server (SIDECAR_TRANSPORT=dynamo), an OpenEngine server's own inference
+probe (SIDECAR_TRANSPORT=openengine).
 
 Shown beside the sidecar's verdict, never a gate, since it can be wrong both ways: 200 for a
 worker whose engine hangs (its in-process canary off, or judging the first chunk only), and 503
@@ -16,22 +17,25 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class EngineHealthState:
     asked: bool = False
-    status_code: int | None = None  # None: no answer (refused, timed out)
-    status: str | None = None  # the body's "status" (Dynamo: ready, notready), when it has one
+    ready: bool | None = None  # what it says of itself; None: no answer (refused, timed out)
+    status: str | None = None  # its word for it (Dynamo: ready, notready; OpenEngine: READY)
     detail: str = "not asked"
     since: float | None = None  # monotonic time the current answer (ready or not) began
+    status_code: int | None = None  # the HTTP status, where it answered over HTTP
 
     @property
     def says_ready(self) -> bool | None:
-        """The route answers 200 (None: not asked, or no answer)."""
-        if not self.asked or self.status_code is None:
-            return None
-        return self.status_code == 200
+        """It says it is ready (None: not asked, or no answer)."""
+        return self.ready if self.asked else None
 
 
 def on_engine_health(
-    state: EngineHealthState, status_code: int | None, status: str | None, detail: str, at: float
+    state: EngineHealthState,
+    ready: bool | None,
+    status: str | None,
+    detail: str,
+    at: float,
+    status_code: int | None = None,
 ) -> EngineHealthState:
-    says = None if status_code is None else status_code == 200
-    since = state.since if state.asked and says == state.says_ready else at
-    return EngineHealthState(True, status_code, status, detail, since)
+    since = state.since if state.asked and ready == state.says_ready else at
+    return EngineHealthState(True, ready, status, detail, since, status_code)
