@@ -10,10 +10,12 @@ and every marker must name a generator.
 
 The sources, one for each fact:
 
-- ``settings``: the variables, from ``sidecar.config.Settings.model_fields``;
+- ``settings``: the variables, from ``sidecar.config.Settings.model_fields`` (the values a
+  backend, a transport or a gRPC service may take from the engines' and transports' tables);
+- ``transports``: the transports, from ``sidecar.transports.TRANSPORTS``;
 - ``policy``: the timings, from ``sidecar.core.evidence.policy.Policy`` (its fields, and its
   properties' formulas read from their source), with their values at ``Policy()`` and at the
-  default settings;
+  default settings (as ``sidecar.wiring.policy_of`` fills it);
 - ``verdict``, ``rank-verdict``, ``rules``: the decision tables and rules, from the docstrings of
   ``sidecar.core.verdict`` and its ``Rule``/``RULE_TEXT`` (tests/test_docs.py evaluates every row of
   the tables against the functions);
@@ -44,9 +46,12 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: import the checkout's sidecar
     sys.path.insert(0, str(ROOT))
 
-from sidecar.config import Settings, load_settings  # noqa: E402
+from sidecar.config import Settings  # noqa: E402
 from sidecar.core import verdict  # noqa: E402
 from sidecar.core.evidence.policy import Policy  # noqa: E402
+from sidecar.transports import TRANSPORTS  # noqa: E402
+from sidecar.wiring import catalog, load, policy_of, resolve  # noqa: E402
+from sidecar.wiring.resolve import Blueprint  # noqa: E402
 
 PROFILE = "config/vllm-aggregated.env"
 MARKER = re.compile(
@@ -106,14 +111,14 @@ def clean_environment() -> Iterator[None]:
             os.environ["COLUMNS"] = columns
 
 
-def profile_settings(profile: str = PROFILE) -> Settings:
+def profile_blueprint(profile: str = PROFILE, **env: str) -> Blueprint:
     with clean_environment():
-        return load_settings(str(ROOT / profile))
+        return resolve(load(str(ROOT / profile), env))
 
 
 def default_settings() -> Settings:
     with clean_environment():
-        return load_settings()
+        return load()
 
 
 # --- settings ----------------------------------------------------------------------------------
@@ -134,32 +139,51 @@ def _default(value: Any) -> str:
 def settings_table(fields: Mapping[str, Any] | None = None) -> str:
     """One row per variable: its name, what it expects, its default, what it does."""
     fields = Settings.model_fields if fields is None else fields
+    choices = catalog().choices
     rows = ["| variable | expected | default | meaning |", "|---|---|---|---|"]
-    for field in fields.values():
+    for name, field in fields.items():
         extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
+        expected = str(extra.get("expected", ""))
+        if name in choices:
+            expected = "one of " + ", ".join(choices[name])
         rows.append(
-            f"| `{field.validation_alias}` | {_cell(extra.get('expected', ''))} | "
+            f"| `{field.validation_alias}` | {_cell(expected)} | "
             f"{_default(field.default)} | {_cell(field.description or '')} |"
+        )
+    return "\n".join(rows)
+
+
+def transports_table() -> str:
+    """One row per transport: its name, what it reaches, SIDECAR_ENGINE_URL, its extra."""
+    rows = [
+        "| `SIDECAR_TRANSPORT` | reaches | `SIDECAR_ENGINE_URL` | backends | extra |",
+        "|---|---|---|---|---|",
+    ]
+    for t in TRANSPORTS.values():
+        extra = f"`{t.extra}`" if t.extra else "none"
+        rows.append(
+            f"| `{t.name}` | {_cell(t.summary)} | {_cell(t.engine_url)} | "
+            f"{', '.join(t.backends)} | {extra} |"
         )
     return "\n".join(rows)
 
 
 # --- policy ------------------------------------------------------------------------------------
 def _setting_names() -> dict[str, str]:
-    """Policy field -> the Settings attribute ``Settings.policy`` fills it from (read from its
-    source, so a field wired to another setting shows here)."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(Settings.policy)))
+    """Policy field -> the Settings attribute ``policy_of`` fills it from (read from its source,
+    so a field wired to another setting shows here)."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(policy_of)))
     call = next(n for n in ast.walk(tree) if isinstance(n, ast.Call) and n.keywords)
-    return {k.arg: ast.unparse(k.value).removeprefix("self.") for k in call.keywords if k.arg}
+    return {k.arg: ast.unparse(k.value).removeprefix("s.") for k in call.keywords if k.arg}
 
 
 def _settings_ref(attr: str) -> str:
     field = Settings.model_fields.get(attr)
     if field is not None:
         return f"`{field.validation_alias}`"
-    if attr == "effective_stall_window":
+    if attr == "stall_window_of(s)":
         return "`SIDECAR_STALL_WINDOW` (unset: `DYN_HEALTH_CHECK_REQUEST_TIMEOUT` + 2 s)"
-    return f"`Settings.{attr}`"
+    return f"`{attr}`"
 
 
 def _formula(cls: type, name: str) -> str:
@@ -194,7 +218,7 @@ def policy_section(policy_cls: type = Policy) -> str:
     default settings."""
     bare = policy_cls()
     settings = default_settings()
-    configured = settings.policy()
+    configured = policy_of(settings)
     if policy_cls is not Policy:
         configured = policy_cls(**dataclasses.asdict(configured))
     wired = _setting_names()
@@ -316,14 +340,14 @@ def cli_help() -> str:
 def check_config() -> str:
     from sidecar.tools.plan import render
 
-    text = render(profile_settings())
+    text = render(profile_blueprint())
     return f"```text\n$ health-sidecar --env-file {PROFILE} --check-config\n{text}\n```"
 
 
 def probes() -> str:
     from sidecar.tools.probes import render
 
-    text = render(profile_settings(), 7200.0)
+    text = render(profile_blueprint(), 7200.0)
     command = f"health-sidecar --env-file {PROFILE} probes --max-load-seconds 7200"
     return f"```yaml\n# $ {command}\n{text}\n```"
 
@@ -334,9 +358,7 @@ GRPC_PORT = "50051"  # the port of the probes-grpc example (and of Dynamo's gRPC
 def probes_grpc() -> str:
     from sidecar.tools.probes import render
 
-    with clean_environment():
-        settings = load_settings(str(ROOT / PROFILE), {"SIDECAR_GRPC_PORT": GRPC_PORT})
-    text = render(settings, 7200.0, grpc=True)
+    text = render(profile_blueprint(SIDECAR_GRPC_PORT=GRPC_PORT), 7200.0, grpc=True)
     command = (
         f"SIDECAR_GRPC_PORT={GRPC_PORT} health-sidecar --env-file {PROFILE} probes --grpc "
         "--max-load-seconds 7200"
@@ -346,6 +368,7 @@ def probes_grpc() -> str:
 
 GENERATORS: dict[str, Callable[[], str]] = {
     "settings": settings_table,
+    "transports": transports_table,
     "policy": policy_section,
     "verdict": verdict_doc,
     "liveness-clocks": liveness_clocks,

@@ -85,14 +85,12 @@ def exported() -> set[str]:
     """Every series name the sidecar's /metrics can carry, from its real exposition."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    from sidecar.config import load_settings
-    from sidecar.wiring import health_for, plans_for, surface_for
+    from sidecar.wiring import health_for, load, resolve, surface_for
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("DYN_HEALTH_CHECK_ENABLED", "true")
-        settings = load_settings()
-    health = health_for(settings, plans_for(settings))
-    text = surface_for(settings, health).metrics.exposition().decode()
+        blueprint = resolve(load())
+    text = surface_for(blueprint, health_for(blueprint)).metrics.exposition().decode()
     suffixes = {"counter": ["_total"], "histogram": ["_bucket", "_count", "_sum"]}
     names: set[str] = set()
     for family in text_string_to_metric_families(text):

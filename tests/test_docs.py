@@ -37,7 +37,7 @@ from sidecar.core.evidence.faults import EngineReport
 from sidecar.core.evidence.policy import Policy, Sum, Term
 from sidecar.core.evidence.result import Outcome, Result
 from sidecar.core.verdict import Verdict, endpoint_verdict, rank_verdict
-from tests.support.configured import health_of, settings_from
+from tests.support.configured import settings_from
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gen_docs.py"
@@ -316,10 +316,10 @@ def _exported(monkeypatch: pytest.MonkeyPatch) -> dict[str, tuple[str, set[str] 
     no sample to show them), from its real exposition."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    from sidecar.wiring import surface_for
+    from sidecar.wiring import health_for, resolve, surface_for
 
-    settings = settings_from(monkeypatch, DYN_HEALTH_CHECK_ENABLED="true")
-    text = surface_for(settings, health_of(settings)).metrics.exposition().decode()
+    blueprint = resolve(settings_from(monkeypatch, DYN_HEALTH_CHECK_ENABLED="true"))
+    text = surface_for(blueprint, health_for(blueprint)).metrics.exposition().decode()
     found = {}
     for family in text_string_to_metric_families(text):
         name = family.name + ("_total" if family.type == "counter" else "")

@@ -80,6 +80,11 @@ def role_of(s: Settings) -> Role:
     return Role(s.disaggregation_mode, s.model_type)
 
 
+def stall_window_of(s: Settings) -> float:
+    """SIDECAR_STALL_WINDOW, or, unset, the canary timeout + 2 s."""
+    return s.stall_window if s.stall_window is not None else s.request_timeout + 2.0
+
+
 def policy_of(s: Settings) -> Policy:
     """The thresholds and timings the evidence sources and the verdict follow."""
     return Policy(
@@ -89,7 +94,7 @@ def policy_of(s: Settings) -> Policy:
         retry=s.retry_interval,
         timeout=s.request_timeout,
         liveness_window=s.liveness_window,
-        stall_window=s.stall_window if s.stall_window is not None else s.request_timeout + 2.0,
+        stall_window=stall_window_of(s),
         metrics_interval=s.metrics_interval,
         registration_interval=s.registration_interval,
         check_answer=s.check_answer,
