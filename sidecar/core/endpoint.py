@@ -18,6 +18,7 @@ from sidecar.core.evidence.discovery import DiscoveryState, on_discovery
 from sidecar.core.evidence.enginehealth import EngineHealthState, on_engine_health
 from sidecar.core.evidence.faults import EngineReport, FaultState, on_fault_report
 from sidecar.core.evidence.lifecycle import LifecycleState, Maintenance
+from sidecar.core.evidence.load import LoadSample, LoadState, on_load
 from sidecar.core.evidence.policy import Policy
 from sidecar.core.evidence.progress import (
     CanaryCost,
@@ -50,6 +51,7 @@ class EndpointState:
     discovery: DiscoveryState = field(default_factory=DiscoveryState)
     engine_health: EngineHealthState = field(default_factory=EngineHealthState)
     faults: FaultState = field(default_factory=FaultState)
+    load: LoadState = field(default_factory=LoadState)  # the engine's own load report
     # False for an endpoint that informs (kv_transfer): its failures never fail /live.
     liveness: bool = True
 
@@ -85,6 +87,7 @@ def apply_registration(ep: EndpointState, result: Result, policy: Policy) -> End
             lifecycle=lifecycle.new_incarnation(ep.lifecycle),
             discovery=DiscoveryState(),
             faults=FaultState(),  # a restarted engine may be started otherwise: asked again
+            load=LoadState(),
         )
     return replace(ep, registration=registration)
 
@@ -193,6 +196,7 @@ def apply_canary(
         stepwise=end.stepwise if end is not None else ep.progress.stepwise,
         other_work=end is not None and _others_in_flight(end) > 0,
         moved_lately=ep.progress.moved_since(result.finished - policy.liveness_window),
+        engine_stale=ep.load.stale,
     )
     return replace(ep, canary=on_canary(ep.canary, result, policy, evidence))
 
@@ -211,6 +215,11 @@ def apply_sample(
     own: CanaryCost | None = None,
 ) -> EndpointState:
     return replace(ep, progress=on_sample(ep.progress, sample, why, spec, own))
+
+
+def apply_load(ep: EndpointState, sample: LoadSample | None, why: str) -> EndpointState:
+    """A read of the engine's own load report."""
+    return replace(ep, load=on_load(ep.load, sample, why))
 
 
 def apply_transfers(ep: EndpointState, sample: TransferSample | None) -> EndpointState:
@@ -244,6 +253,11 @@ def canary_due(ep: EndpointState, policy: Policy) -> float | None:
         if canary.last is not None:  # never closer than ``retry`` to the last one
             due = max(due, canary.last.started + policy.retry)
         return due
+    if ep.load.stale_since is not None and not _passed_since(ep, ep.load.stale_since):
+        due = min(canary.next_due, ep.load.stale_since)  # the engine's own stall hint
+        if canary.last is not None:  # never closer than ``retry`` to the last one
+            due = max(due, canary.last.started + policy.retry)
+        return due
     suspect_at = progress.suspect_at(policy.suspect_after)
     if suspect_at is None:  # idle, or the load is unknown
         return canary.next_due
@@ -265,13 +279,21 @@ def _in_doubt(ep: EndpointState) -> bool:
     return passed is None or passed < last.started
 
 
+def _passed_since(ep: EndpointState, since: float) -> bool:
+    passed = ep.canary.last_pass_at
+    return passed is not None and passed >= since
+
+
 def _passed_while_quiet(ep: EndpointState) -> bool:
     last_pass, quiet = ep.canary.last_pass_at, ep.progress.quiet_since
     return ep.progress.busy and last_pass is not None and quiet is not None and last_pass >= quiet
 
 
 def suspected(ep: EndpointState, policy: Policy, now: float) -> bool:
-    """A canary leaving now goes to confirm a stall suspicion."""
+    """A canary leaving now goes to confirm a stall suspicion: the metrics' (work in flight,
+    counters quiet), or the engine's own (its load report says its sample is stale)."""
+    if ep.load.stale_since is not None and not _passed_since(ep, ep.load.stale_since):
+        return True
     return ep.progress.suspects_stall(policy.suspect_after, now) and not _passed_while_quiet(ep)
 
 

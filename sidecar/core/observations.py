@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from sidecar.core.evidence.faults import EngineReport
+from sidecar.core.evidence.load import LoadSample
 from sidecar.core.evidence.progress import CanaryCost, ProgressSample, ProgressSpec
 from sidecar.core.evidence.result import Result
 from sidecar.core.evidence.transfers import TransferSample
@@ -101,6 +102,15 @@ class TransfersRead:
 
 
 @dataclass(frozen=True)
+class LoadRead:
+    """The engine's own load report in one read (None: not readable, and why)."""
+
+    unit: str
+    sample: LoadSample | None
+    why: str
+
+
+@dataclass(frozen=True)
 class DiscoverySaid:
     """Whether discovery lists the worker's instance (None: not asked)."""
 
@@ -157,6 +167,7 @@ Observation = (
     | SleepSaid
     | FaultsSaid
     | TransfersRead
+    | LoadRead
     | DiscoverySaid
     | EngineHealthSaid
     | MaintenanceDeclared

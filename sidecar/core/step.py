@@ -22,6 +22,7 @@ from sidecar.core.endpoint import (
     apply_engine_health,
     apply_faults,
     apply_lifecycle,
+    apply_load,
     apply_registration,
     apply_sample,
     apply_transfers,
@@ -42,6 +43,7 @@ from sidecar.core.observations import (
     EngineHealthSaid,
     FaultsSaid,
     Heartbeat,
+    LoadRead,
     MaintenanceDeclared,
     MaintenanceOver,
     ModelServed,
@@ -256,6 +258,21 @@ def _faults(c: _Changes, obs: FaultsSaid) -> None:
     c.endpoints[unit] = after
 
 
+def _load(c: _Changes, obs: LoadRead) -> None:
+    unit, before = obs.unit, c.snap.endpoints[obs.unit]
+    after = apply_load(before, obs.sample, obs.why)
+    if after.load.stale and not before.load.stale:
+        c.say(
+            f"{unit}: the engine says its load sample is stale while requests are active "
+            f"({obs.why}): a canary confirms",
+            logging.WARNING,
+            unit,
+        )
+    elif before.load.stale and not after.load.stale:
+        c.say(f"{unit}: the engine's load report is fresh again", unit=unit)
+    c.endpoints[unit] = after
+
+
 def _transfers(c: _Changes, obs: TransfersRead) -> None:
     unit, before = obs.unit, c.snap.endpoints[obs.unit]
     after = apply_transfers(before, obs.sample)
@@ -392,6 +409,7 @@ _STEPS: dict[type, Callable[[_Changes, Any], None]] = {
     SleepSaid: _sleep,
     FaultsSaid: _faults,
     TransfersRead: _transfers,
+    LoadRead: _load,
     DiscoverySaid: _discovery,
     EngineHealthSaid: _engine_health,
 }

@@ -112,9 +112,10 @@ _CAUSES: dict[Cause, tuple[str, str]] = {
         "read that says so; ended when it reports healthy, or recovering)",
     ),
     Cause.NOT_SERVING: (
-        "its gRPC health answers NOT_SERVING after SERVING",
-        "its gRPC health (SIDECAR_REGISTRATION) answers NOT_SERVING after it answered SERVING, "
-        "from a server that stays up (vLLM's gRPC server with its engine dead does so for good); "
-        "started by the first NOT_SERVING, ended by SERVING or a refusal",
+        "its health service says not serving after it served",
+        "the engine's own health service (grpc.health.v1: NOT_SERVING; OpenEngine's Health: "
+        "NOT_READY) says it cannot serve after it said it could, from a server that stays up "
+        "(vLLM's gRPC server with its engine dead does so for good); started by the first such "
+        "answer, ended by a serving one or a refusal",
     ),
 }

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 from sidecar.core.endpoint import unit_name
+from sidecar.core.evidence.load import LoadSpec
 from sidecar.core.evidence.progress import (
     COMPLETED,
     GENERATION,
@@ -133,6 +134,12 @@ class Prober:
         """What is wrong with the answer to a user's DYN_HEALTH_CHECK_PAYLOAD, or None."""
         return self.problem(answer, None)
 
+    def failure(self, answer: Any) -> tuple[str, bool] | None:
+        """A failure the engine declared inside an answer that arrived whole (an error event in
+        a stream that ended OK): what it says, and whether it refuses the request itself (a
+        rejection, not a hang); None where there is none."""
+        return None
+
     def answer(self, parsed: Any) -> str | None:
         """What a well-formed answer generated, for SIDECAR_CANARY_CHECK_ANSWER; None when it
         cannot be told or is not reproducible."""
@@ -181,6 +188,14 @@ class Reads:
     pin: RankPin | None = None
     transfers: TransferSpec | None = None
     needs_model: bool = False
+    # The engine's own load report in the same read (OpenEngine's GetLoad), where it gives one.
+    load: LoadSpec | None = None
+
+    def every(self) -> tuple[Series, ...]:
+        """Every series a read of the engine's metrics is parsed for."""
+        transfers = self.transfers.every() if self.transfers is not None else ()
+        load = self.load.every() if self.load is not None else ()
+        return (*self.progress.every(), *transfers, *self.awake, *load)
 
 
 @dataclass(frozen=True)

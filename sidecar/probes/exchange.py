@@ -53,6 +53,7 @@ class NoAnswer:
     outcome: Outcome
     reason: str
     rejection: bool = False
+    status: str | None = None  # a gRPC call's status, where one ended it (UNAVAILABLE)
 
 
 @dataclass(frozen=True)
@@ -146,6 +147,9 @@ class Checked:
     registration: Result
     engine_health: EngineHealth | None = None
     listed: Listed | None = None
+    # The served model, where the check learns it (model, or None, and why): an engine that
+    # serves no GET /v1/models names it over its own API.
+    model: tuple[str | None, str] | None = None
 
 
 class Registration(Protocol):

@@ -1,5 +1,5 @@
-"""The one judgement of a canary's answer, over HTTP and over Dynamo's request plane alike: what
-the transport received in, the canary's :class:`~sidecar.core.evidence.result.Result` out.
+"""The one judgement of a canary's answer, whatever its transport: what the channel received in,
+the canary's :class:`~sidecar.core.evidence.result.Result` out.
 
 ======================================  ========  ===============================================
 received                                outcome   reason
@@ -11,6 +11,7 @@ HTTP 200 to a canary whose body is not  success   the engine's own check passed
 read (Prober.reads_body false)
 HTTP 200, not JSON (type or body)       invalid   what is wrong
 a stream that ended on an error event   error     the worker's error (a rejection of the request)
+an error event inside a whole stream    error     the engine's error (a rejection where it says so)
 well formed, but not a good answer      invalid   what the backend's prober finds wrong
 a good answer                           success   complete, well-formed answer
 ======================================  ========  ===============================================
@@ -35,8 +36,8 @@ def judge(plan: CanaryPlan, request: CanaryRequest, received: Received) -> Resul
         outcome, reason, status, said = answer.outcome, answer.reason, None, None
         rejection = answer.rejection
     elif isinstance(answer, Streamed):
-        outcome, reason, said = _stream(plan, request, answer)
-        status, rejection = None, answer.error is not None
+        outcome, reason, said, rejection = _stream(plan, request, answer)
+        status = None
     else:
         outcome, reason, said = _http(plan, request, answer)
         status, rejection = answer.status, False
@@ -79,11 +80,15 @@ def _http(
 
 def _stream(
     plan: CanaryPlan, request: CanaryRequest, answer: Streamed
-) -> tuple[Outcome, str, str | None]:
+) -> tuple[Outcome, str, str | None, bool]:
     if answer.error is not None:
-        return Outcome.ERROR, f"worker error: {answer.error}", None
+        return Outcome.ERROR, f"worker error: {answer.error}", None, True
     chunks = list(answer.chunks)
+    failed = plan.prober.failure(chunks)
+    if failed is not None:
+        return Outcome.ERROR, failed[0], None, failed[1]
     problem = plan.problem(chunks, request.expected_tokens)
     if problem is not None:
-        return Outcome.INVALID, problem, None
-    return Outcome.SUCCESS, f"complete answer in {len(chunks)} chunk(s)", plan.answer(chunks)
+        return Outcome.INVALID, problem, None, False
+    answered = plan.answer(chunks)
+    return Outcome.SUCCESS, f"complete answer in {len(chunks)} chunk(s)", answered, False

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from sidecar.core.endpoint import maintenance_due, suspected
 from sidecar.core.evidence.faults import read_status, report_for
 from sidecar.core.evidence.lifecycle import sleeping_in
+from sidecar.core.evidence.load import read_load
 from sidecar.core.evidence.progress import (
     Exposition,
     MetricsUnreadable,
@@ -53,6 +54,7 @@ from sidecar.core.observations import (
     EngineHealthSaid,
     FaultsSaid,
     Heartbeat,
+    LoadRead,
     MaintenanceOver,
     ModelServed,
     Observation,
@@ -159,7 +161,8 @@ class Reads:
 def _read_by(plan: CanaryPlan, spec: ProgressSpec) -> tuple[Series, ...]:
     """Every series one unit reads in the engine's metrics."""
     transfers = plan.transfers.every() if plan.transfers is not None else ()
-    return (*spec.every(), *transfers, *plan.awake)
+    load = plan.reads.load.every() if plan.reads.load is not None else ()
+    return (*spec.every(), *transfers, *plan.awake, *load)
 
 
 async def wait_event(event: asyncio.Event, seconds: float | None) -> None:
@@ -304,8 +307,12 @@ class Monitor:
         checked = await self.engine.registration()
         result = checked.registration
         wanting = self.health.snapshot.wants_model() if result.ok else []
-        if wanting and self.client is not None:
-            model, why = await self.client.served_model()
+        if wanting and (checked.model is not None or self.client is not None):
+            if checked.model is not None:
+                model, why = checked.model
+            else:
+                assert self.client is not None
+                model, why = await self.client.served_model()
             for unit in self._present(tuple(wanting)):
                 self.observe(ModelServed(unit, model, why))
         health, listed = checked.engine_health, checked.listed
@@ -385,6 +392,9 @@ class Monitor:
             if parsed is not None and plan.awake:
                 sleeping, what = sleeping_in(parsed, plan.awake)
                 self.observe(SleepSaid(unit, sleeping, f"{path}: {what}", gauge=True))
+            if plan.reads.load is not None:
+                load = None if parsed is None else read_load(parsed, plan.reads.load, read.at)
+                self.observe(LoadRead(unit, load, why))
 
     # --- the probes -------------------------------------------------------------------------
     async def _transfer(self, unit: str) -> None:

@@ -122,6 +122,20 @@ def _engine_health(ep: EndpointState) -> dict[str, Any] | None:
     }
 
 
+def _engine_load(ep: EndpointState) -> dict[str, Any] | None:
+    """The engine's own load report, where it gives one (OpenEngine's GetLoad)."""
+    load = ep.load
+    if load.latest is None and not load.stale:
+        return None
+    latest = load.latest
+    return {
+        "running": latest.running if latest else None,
+        "queued": latest.queued if latest else None,
+        "stale": load.stale,
+        "detail": load.why,
+    }
+
+
 def _check(ep: EndpointState, snap: Snapshot, now: float) -> dict[str, Any]:
     canary, registration, progress = ep.canary, ep.registration, ep.progress
     last = canary.last
@@ -133,6 +147,7 @@ def _check(ep: EndpointState, snap: Snapshot, now: float) -> dict[str, Any]:
         "canary_why": ep.canary_why,
         "model": snap.models.get(ep.name),
         "consecutive_failures": canary.failures,
+        "hang_confirmed": canary.confirmed,
         "consecutive_successes": canary.successes,
         "hard_failure_since": _wall(canary.hard_since, now),
         "stalled": canary.stalled,
@@ -147,6 +162,7 @@ def _check(ep: EndpointState, snap: Snapshot, now: float) -> dict[str, Any]:
         },
         "engine_health_agrees": not (engine_disagrees(ep) or engine_undersells(ep)),
         "engine_health": _engine_health(ep),
+        "engine_load": _engine_load(ep),
         "discovery": _discovery(ep, now),
         "in_flight": progress.in_flight,
         "progress": _progress(ep, snap, now),

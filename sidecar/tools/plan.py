@@ -28,6 +28,16 @@ def headline(b: Blueprint) -> list[str]:
     ]
 
 
+def _load_lines(b: Blueprint, read: str) -> list[str]:
+    if b.plan.reads.load is None:
+        return []
+    return [
+        f"load           {read} every {b.settings.metrics_interval:g} s: the engine's own "
+        "report, shown in /health, never holding a canary back; its stale answer while requests "
+        "are active sends a canary at once, and that canary's timeout is notready 'stalled'",
+    ]
+
+
 def _progress_lines(b: Blueprint) -> list[str]:
     s, plan = b.settings, b.plan
     if b.metrics_off is not None:
@@ -36,13 +46,20 @@ def _progress_lines(b: Blueprint) -> list[str]:
     path = spec.path
     if b.route.http_url not in (None, s.engine_url):
         path = f"{b.route.http_url}{path}"
+    read = b.said.metrics or f"GET {path}"
+    if not spec.every():
+        return [
+            "progress       no counter shows the engine's progress: the canary alone decides; "
+            f"the stall rule is off ({b.stall_off})",
+            *_load_lines(b, read),
+        ]
     counters = ", ".join(
         f"{category} {' | '.join(map(str, names))}" for category, names in spec.counters.items()
     )
     gauges = " + ".join(map(str, spec.running + spec.waiting))
     shown = spec.in_flight_shown
     return [
-        f"progress       GET {path} every {s.metrics_interval:g} s, and around each canary; a "
+        f"progress       {read} every {s.metrics_interval:g} s, and around each canary; a "
         "hint, never a verdict",
         f"  in flight    {gauges}"
         + (
@@ -62,6 +79,7 @@ def _progress_lines(b: Blueprint) -> list[str]:
         "  excuses      a canary timeout when counters moved beyond the canary's own tokens "
         "(not counted)",
         *_stall_lines(b),
+        *_load_lines(b, read),
     ]
 
 
@@ -258,7 +276,7 @@ def _canary_lines(b: Blueprint) -> list[str]:
     if s.model:
         model = f"{s.model} (SIDECAR_MODEL)"
     elif plan.wants_model:
-        model = "discovered from GET /v1/models at each registration"
+        model = b.said.model
     else:
         model = "not needed"
     if s.check_answer and plan.override is None:

@@ -60,6 +60,10 @@ class Said:
     engine: tuple[str, ...]  # after the engine line: how the engine is found and checked
     request: tuple[str, ...]  # the canary's request as it goes out (with a canary)
     passes: str  # when a canary passes ("the whole call ends within 3 s, ...")
+    # How the engine's metrics are read, as --check-config says it (empty: GET and the path).
+    metrics: str = ""
+    # Where the served model comes from, when the canary names it and SIDECAR_MODEL is unset.
+    model: str = "discovered from GET /v1/models at each registration"
     reaches: str = ""  # how the probes' header says the canary travels
     warnings: tuple[str, ...] = ()  # what the probes' header warns of
     readiness: str = ""  # what the readiness probe's comment adds
@@ -181,7 +185,7 @@ class Transport(ABC):
         """Make its I/O parts on the monitor's loop, each pushed on ``o.stack``."""
 
 
-MODEL_PLACEHOLDER = "<served model, from GET /v1/models>"
+MODEL_PLACEHOLDER = "<served model>"
 
 
 def shown_body(plan: CanaryPlan, s: Settings) -> dict[str, Any]:

@@ -108,7 +108,7 @@ def _metrics_off(s: Settings, plan: CanaryPlan, route: Route) -> str | None:
         return "SIDECAR_PROGRESS_ENABLED=false"
     if route.metrics_off is not None:
         return f"{route.metrics_off}: the canary alone decides; the stall rule is off"
-    if not plan.reads.progress.every():
+    if not plan.reads.progress.every() and plan.reads.load is None:
         return (
             f"{s.backend}'s {s.disaggregation_mode} worker publishes no series that shows its "
             "work: the canary alone decides"
@@ -122,6 +122,8 @@ def _stall_off(s: Settings, plan: CanaryPlan, metrics_off: str | None) -> str | 
         return "the engine's metrics are not read"
     if not spec.in_flight_shown:
         return "no request shows in flight"
+    if not spec.counters:
+        return f"nothing read over {s.transport} counts the engine's steps"
     if not spec.step_series():
         return f"{s.backend} has no counter known to move at every step"
     return None

@@ -17,7 +17,9 @@ engine's counters do. A timeout is weighed against the engine's progress measure
   timeout is load, not counted, as long as a counter moved within the liveness window; after a
   whole window with none moving, it counts as an ordinary failure (a hang under load is still
   found, a window later);
-- the metrics cannot tell: an ordinary failure.
+- the metrics cannot tell: an ordinary failure; but where the engine's own load report says
+  its sample is stale while requests are active (OpenEngine's GetLoad), the timeout of the
+  canary sent to confirm it is a hang the engine itself saw: notready at once, "stalled".
 """
 
 from __future__ import annotations
@@ -46,6 +48,9 @@ class TimeoutEvidence:
     other_work: bool = False
     # A counter moved within the liveness window before the canary ended.
     moved_lately: bool = False
+    # The engine's own load report said its sample is stale while requests are active
+    # (sidecar/core/evidence/load.py): the engine saw the stall itself.
+    engine_stale: bool = False
 
 
 NO_EVIDENCE = TimeoutEvidence(None)
@@ -57,7 +62,10 @@ class CanaryState:
 
     ready: bool | None = None  # None: no counted result yet
     proven: bool = False  # a canary passed in this incarnation
-    failures: int = 0  # consecutive counted failures
+    failures: int = 0  # consecutive counted failures, a true count
+    # Notready on a confirmed hang, before the failures reached the threshold: the metrics (or
+    # the engine's own load report) showed it held work and did not compute. Until a pass.
+    confirmed: bool = False
     successes: int = 0
     last: Result | None = None
     reason: str = "no canary has run yet"
@@ -180,10 +188,20 @@ def _failed(
         and not _blind(evidence)
         and evidence.span >= policy.timeout / 2
     )
-    if confirmed:
+    said_stale = result.outcome is Outcome.TIMEOUT and evidence.engine_stale and not confirmed
+    confirmed_now = False
+    if said_stale:
+        # The engine said its own sample is stale under load, and the canary sent to confirm
+        # it timed out: a hang the engine itself saw.
+        ready, confirmed_now = False, True
+        stall_since = result.started if stall_since is None else stall_since
+        reason = (
+            "stalled: the engine says its load sample is stale while requests are active, and "
+            f"the canary sent to confirm timed out ({result.reason})"
+        )
+    elif confirmed:
         # The engine held work and nothing moved while the canary waited: a hang, confirmed.
-        ready = False
-        failures = max(failures, policy.failure_threshold)
+        ready, confirmed_now = False, True
         if evidence.suspected:
             since = evidence.quiet_since if evidence.quiet_since is not None else result.started
             stall_since = since if stall_since is None else stall_since
@@ -206,6 +224,7 @@ def _failed(
         state,
         ready=ready,
         failures=failures,
+        confirmed=state.confirmed or confirmed_now,
         successes=0,
         last=result,
         reason=reason,

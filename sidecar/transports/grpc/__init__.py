@@ -164,9 +164,8 @@ class Grpc(Transport):
         )
 
     async def open(self, o: Opening) -> Opened:
+        from sidecar.runtime.grpcchannel import GrpcEngine, RpcRegistration
         from sidecar.runtime.grpcregistration import GrpcRegistration
-        from sidecar.runtime.server import StartupError
-        from sidecar.transports.grpc.channel import GrpcEngine, RpcRegistration
 
         s, prober = o.settings, o.plan.prober
         assert isinstance(prober, GrpcProber)
@@ -176,13 +175,7 @@ class Grpc(Transport):
         )
         o.stack.push_async_callback(engine.aclose)
         if o.plan.override is not None:  # the user's payload must be a request of the method
-            try:
-                engine.message(o.plan.request(None, "canary-check"))
-            except ValueError as exc:
-                raise StartupError(
-                    f"DYN_HEALTH_CHECK_PAYLOAD: expected a request of {o.plan.path} (the proto's "
-                    f"field names): {' '.join(str(exc).split())}"
-                ) from None
+            engine.check_payload(o.plan.request(None, "canary-check"))
         probe = CanaryProbe(
             engine, timeout=s.request_timeout, clock=o.clock, sweeper=o.sweeper, holds_on="call"
         )
