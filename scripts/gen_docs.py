@@ -12,7 +12,8 @@ The sources, one for each fact:
 
 - ``settings``: the variables, from ``sidecar.config.Settings.model_fields`` (the values a
   backend, a transport or a gRPC service may take from the engines' and transports' tables);
-- ``transports``: the transports, from ``sidecar.transports.TRANSPORTS``;
+- ``transports``: the transports, from ``sidecar.transports.TRANSPORTS``; ``role-canaries``: what
+  each role's canary carries over each transport, from the probers' own bodies;
 - ``policy``: the timings, from ``sidecar.core.evidence.policy.Policy`` (its fields, and its
   properties' formulas read from their source), with their values at ``Policy()`` and at the
   default settings (as ``sidecar.wiring.policy_of`` fills it);
@@ -50,7 +51,8 @@ from sidecar.config import Settings  # noqa: E402
 from sidecar.core import verdict  # noqa: E402
 from sidecar.core.evidence.policy import Policy  # noqa: E402
 from sidecar.transports import TRANSPORTS  # noqa: E402
-from sidecar.wiring import catalog, load, policy_of, resolve  # noqa: E402
+from sidecar.transports.seam import shown_body  # noqa: E402
+from sidecar.wiring import catalog, check, load, policy_of, resolve  # noqa: E402
 from sidecar.wiring.resolve import Blueprint  # noqa: E402
 
 PROFILE = "config/vllm-aggregated.env"
@@ -156,15 +158,78 @@ def settings_table(fields: Mapping[str, Any] | None = None) -> str:
 def transports_table() -> str:
     """One row per transport: its name, what it reaches, SIDECAR_ENGINE_URL, its extra."""
     rows = [
-        "| `SIDECAR_TRANSPORT` | reaches | `SIDECAR_ENGINE_URL` | backends | extra |",
-        "|---|---|---|---|---|",
+        "| `SIDECAR_TRANSPORT` | reaches | `SIDECAR_ENGINE_URL` | backends | extra | package |",
+        "|---|---|---|---|---|---|",
     ]
     for t in TRANSPORTS.values():
         extra = f"`{t.extra}`" if t.extra else "none"
+        package = "sidecar/transports/" + type(t).__module__.rpartition(".")[2] + "/"
         rows.append(
             f"| `{t.name}` | {_cell(t.summary)} | {_cell(t.engine_url)} | "
-            f"{', '.join(t.backends)} | {extra} |"
+            f"{', '.join(t.backends)} | {extra} | `{package}` |"
         )
+    return "\n".join(rows)
+
+
+# The roles whose canaries carry something, one row each: (row, backend, mode, model type).
+NEEDS = (
+    (
+        "TensorRT-LLM prefill or decode: run it whole, locally (`LocalRun`, DIS-1737)",
+        "trtllm",
+        "decode",
+        "text",
+    ),
+    ("SGLang prefill or decode: its fake KV transfer (`FakeTransfer`)", "sglang", "decode", "text"),
+    ("vLLM decode: a plain local request (no need)", "vllm", "decode", "text"),
+    ("an image encoder: a new image per canary (`NewImage`)", "vllm", "encode", "multimodal"),
+)
+
+
+def _role_blueprint(transport: Any, backend: str, mode: str, model_type: str) -> Blueprint | None:
+    url = "grpc://127.0.0.1:50051" if transport.grpc_url else "http://127.0.0.1:8000"
+    fields = {
+        "SIDECAR_TRANSPORT": transport.name,
+        "SIDECAR_ENGINE_URL": url,
+        "SIDECAR_BACKEND": backend,
+        "SIDECAR_DISAGGREGATION_MODE": mode,
+        "SIDECAR_MODEL_TYPE": model_type,
+        "DYN_HEALTH_CHECK_ENABLED": "true",
+        "DYN_VLLM_EMBEDDING_TRANSFER_MODE": "local",
+    }
+    settings = Settings.model_validate(fields)
+    if check(settings):
+        return None
+    return resolve(settings)
+
+
+def _carried(b: Blueprint, plain: Blueprint | None) -> str:
+    """What this role's canary carries beyond the same transport's aggregated one."""
+    plan = b.plan
+    if not plan.enabled:
+        return "none: " + plan.why.split(";")[0]
+    if plan.role.encoder or plain is None:
+        return plan.why
+    body, base = shown_body(plan, b.settings), shown_body(plain.plan, plain.settings)
+    more = {k: v for k, v in body.items() if base.get(k) != v}
+    return f"`{json.dumps(more)}`" if more else "nothing: the plain request"
+
+
+def role_canaries_table() -> str:
+    """What each role needs, and how each transport's wire carries it, from the probers."""
+    rows = [
+        "| the engine's rule | " + " | ".join(f"`{t}`" for t in TRANSPORTS) + " |",
+        "|---|" + "---|" * len(TRANSPORTS),
+    ]
+    for title, backend, mode, model_type in NEEDS:
+        cells = []
+        for transport in TRANSPORTS.values():
+            b = _role_blueprint(transport, backend, mode, model_type)
+            if b is None:
+                cells.append(f"not reached ({backend} over {transport.name})")
+                continue
+            plain = _role_blueprint(transport, backend, "aggregated", "text")
+            cells.append(_cell(_carried(b, plain)))
+        rows.append(f"| {_escape(title)} | " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
 
@@ -369,6 +434,7 @@ def probes_grpc() -> str:
 GENERATORS: dict[str, Callable[[], str]] = {
     "settings": settings_table,
     "transports": transports_table,
+    "role-canaries": role_canaries_table,
     "policy": policy_section,
     "verdict": verdict_doc,
     "liveness-clocks": liveness_clocks,

@@ -191,15 +191,15 @@ MODEL_PLACEHOLDER = "<served model>"
 def shown_body(plan: CanaryPlan, s: Settings) -> dict[str, Any]:
     """The canary's body as --check-config shows it: the model a placeholder when it is
     discovered, the bootstrap room fresh per canary, each inline image named, not shown."""
-    body = dict(plan.request(s.model or MODEL_PLACEHOLDER, "canary-<uuid>").body)
-    if "bootstrap_room" in body:
-        body["bootstrap_room"] = "<fresh per canary>"
-    return _short(body)
+    return _short(plan.request(s.model or MODEL_PLACEHOLDER, "canary-<uuid>").body)
 
 
 def _short(value: Any) -> Any:
     if isinstance(value, dict):
-        return {key: _short(item) for key, item in value.items()}
+        return {
+            key: "<fresh per canary>" if key == "bootstrap_room" else _short(item)
+            for key, item in value.items()
+        }
     if isinstance(value, list):
         return [_short(item) for item in value]
     if isinstance(value, str) and value.startswith("data:") and "," in value:

@@ -8,32 +8,32 @@ another field). So the sidecar declares the subset it sends and reads, with 0.5.
 read off the running server (each number named by the server's own decoder). A subset is
 wire-compatible: a parser skips fields it does not know, and a request sets only these.
 
-The file is proto2 so that every scalar keeps explicit presence: ``temperature`` 0 (greedy) goes
-on the wire rather than being dropped as a default. The wire encoding is the same either way.
+Declared, and registered on import, with ``sidecar/runtime/protodecl.py`` (proto2, so that
+``temperature`` 0, greedy, goes on the wire).
 """
 
 from __future__ import annotations
 
-from google.protobuf import descriptor_pb2, descriptor_pool
+from sidecar.runtime.protodecl import (
+    BOOL,
+    FLOAT,
+    MESSAGE,
+    OPTIONAL,
+    REPEATED,
+    STRING,
+    UINT32,
+    UINT64,
+    Declared,
+    Field,
+)
 
 PACKAGE = "sglang.runtime.v1"
 SERVICE = f"{PACKAGE}.SglangService"
 FILE = "health_sidecar/sglang_runtime_v1_subset.proto"
 
-_F = descriptor_pb2.FieldDescriptorProto
-OPTIONAL, REPEATED = _F.LABEL_OPTIONAL, _F.LABEL_REPEATED
-STRING, BOOL, FLOAT, UINT32, UINT64 = (
-    _F.TYPE_STRING,
-    _F.TYPE_BOOL,
-    _F.TYPE_FLOAT,
-    _F.TYPE_UINT32,
-    _F.TYPE_UINT64,
-)
-MESSAGE = _F.TYPE_MESSAGE
-
 # message -> its fields: (name, number, label, type, message type for TYPE_MESSAGE); a nested
 # message (a map's entry) follows the message it is nested in
-MESSAGES: dict[str, tuple[tuple[str, int, int, int, str | None], ...]] = {
+MESSAGES: dict[str, tuple[Field, ...]] = {
     "SamplingParams": (
         ("temperature", 1, OPTIONAL, FLOAT, None),
         ("max_new_tokens", 8, OPTIONAL, UINT32, None),
@@ -81,40 +81,10 @@ METHODS = {
     "GetModelInfo": ("GetModelInfoRequest", "GetModelInfoResponse", False),
 }
 
-
-def _file() -> descriptor_pb2.FileDescriptorProto:
-    proto = descriptor_pb2.FileDescriptorProto(name=FILE, package=PACKAGE, syntax="proto2")
-    made: dict[str, descriptor_pb2.DescriptorProto] = {}
-    for name, fields in MESSAGES.items():
-        outer, _, inner = name.partition(".")
-        if inner:  # a map entry, nested in its message
-            message = made[outer].nested_type.add(name=inner)
-            message.options.map_entry = True
-        else:
-            message = made[name] = proto.message_type.add(name=name)
-        for field, number, label, kind, type_name in fields:
-            added = message.field.add(name=field, number=number, label=label, type=kind)
-            if type_name is not None:
-                added.type_name = f".{PACKAGE}.{type_name}"
-            if label == REPEATED and kind != MESSAGE:
-                added.options.packed = True
-    service = proto.service.add(name=SERVICE.rpartition(".")[2])
-    for method, (request, response, streams) in METHODS.items():
-        service.method.add(
-            name=method,
-            input_type=f".{PACKAGE}.{request}",
-            output_type=f".{PACKAGE}.{response}",
-            server_streaming=streams,
-        )
-    return proto
-
-
-def _register() -> None:
-    pool = descriptor_pool.Default()
-    try:
-        pool.FindFileByName(FILE)
-    except KeyError:
-        pool.Add(_file())
-
-
-_register()
+DECLARED = Declared(
+    file=FILE,
+    package=PACKAGE,
+    messages=MESSAGES,
+    services={SERVICE.rpartition(".")[2]: METHODS},
+)
+DECLARED.register()
