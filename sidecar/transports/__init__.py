@@ -5,7 +5,7 @@ A new transport is a new package and one line below.
 
 from __future__ import annotations
 
-from sidecar.transports import dynamo, grpc, http
+from sidecar.transports import dynamo, grpc, http, openengine
 from sidecar.transports.seam import Transport
 
 #: Every transport by its SIDECAR_TRANSPORT name.
@@ -15,6 +15,7 @@ TRANSPORTS: dict[str, Transport] = {
         http.TRANSPORT,
         dynamo.TRANSPORT,
         grpc.TRANSPORT,
+        openengine.TRANSPORT,
     )
 }
 
