@@ -14,7 +14,8 @@ from collections.abc import AsyncIterator
 import pytest
 
 from sidecar.core.evidence.progress import ProgressState, on_sample, read_progress
-from sidecar.probes.sglang import SglangProber
+from sidecar.engines import sglang
+from sidecar.wiring import policy_of
 from tests.support.inprocess import EngineLink, InProcessSidecar, run_virtually, running, until
 
 pytestmark = pytest.mark.unit
@@ -35,7 +36,7 @@ OLD_SGLANG = (
 
 
 def test_without_a_per_step_counter_quiet_counters_raise_no_suspicion():
-    spec = SglangProber.progress
+    spec = sglang.PROGRESS
     state = ProgressState()
     for at in (1.0, 2.0, 30.0):
         state = on_sample(state, read_progress(OLD_SGLANG, spec, at, 1e9 + at), "", spec)
@@ -112,7 +113,7 @@ def test_a_hang_under_load_without_per_step_counters_is_still_found():
             async with long_requests(engines[URL]):
                 await until(lambda: in_flight(engines[URL]) >= 3, 2)
                 await engines[URL].fault(hang_generation=True)
-                policy = side.settings.policy()
+                policy = policy_of(side.settings)
                 took = await side.wait_status(503, WINDOW + policy.to_notready().seconds + 1)
                 _, body = await side.health_body()
                 await side.wait_status(503, WINDOW + 5, path="/live")

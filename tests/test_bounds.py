@@ -15,7 +15,7 @@ import pytest
 from sidecar.core.evidence.policy import Policy, Sum, Term
 from sidecar.tools.plan import render as render_plan
 from sidecar.tools.probes import render, size
-from tests.support.configured import settings_from
+from tests.support.configured import blueprint_from
 
 pytestmark = pytest.mark.unit
 
@@ -62,8 +62,8 @@ def added(terms: str) -> float:
 
 @pytest.mark.parametrize("env", CONFIGURATIONS)
 def test_every_printed_sum_adds_up_to_the_total_it_prints(monkeypatch, env):
-    settings = settings_from(monkeypatch, **env)
-    text = unwrapped(render(settings, 7200)) + " " + unwrapped(render_plan(settings))
+    blueprint = blueprint_from(monkeypatch, **env)
+    text = unwrapped(render(blueprint, 7200)) + " " + unwrapped(render_plan(blueprint))
     sums = WITH_TERMS.findall(text)
     assert sums, text
     for total, terms in sums:
@@ -77,15 +77,15 @@ def test_every_printed_sum_adds_up_to_the_total_it_prints(monkeypatch, env):
 @pytest.mark.parametrize("env", CONFIGURATIONS)
 def test_the_printed_bounds_are_the_policys(monkeypatch, env):
     """What the probes are sized by is what the policy computes, terms and totals alike."""
-    settings = settings_from(monkeypatch, **env)
-    z = size(settings, 7200)
-    policy = settings.policy()
+    blueprint = blueprint_from(monkeypatch, **env)
+    z = size(blueprint, 7200)
+    policy = blueprint.policy
     assert z.hang_to_notready == policy.to_notready(z.canary).seconds
     assert z.load_to_ready == policy.to_ready(z.canary).seconds
     assert z.hang_to_restart == pytest.approx(
         policy.to_notlive(z.canary).seconds + z.liveness.failures * z.liveness.period
     )
-    text = unwrapped(render(settings, 7200))
+    text = unwrapped(render(blueprint, 7200))
     if z.canary:
         assert f"({policy.to_notready()}:" in text
         assert f"({policy.to_notlive()} +" in text

@@ -9,10 +9,11 @@ from aiotools import VirtualClock
 
 from sidecar.config import Settings
 from sidecar.core.evidence.result import Outcome, Result
-from sidecar.probes import CanaryRequest, plan_canary
+from sidecar.probes.base import CanaryRequest
 from sidecar.probes.exchange import Answer, NoAnswer, Received
-from sidecar.probes.http import HttpCanary
-from tests.support.configured import settings_from
+from sidecar.transports.http.canary import HttpCanary
+from sidecar.wiring import Blueprint, check, resolve
+from tests.support.configured import blueprint_from
 
 pytestmark = pytest.mark.unit
 
@@ -29,7 +30,13 @@ def plan_for(backend: str, mode: str, model_type: str = "text", **env: str):
         }
         | env
     )
-    return plan_canary(settings.canary_config())
+    assert not check(settings), check(settings)
+    return resolve(settings).plan
+
+
+def answers(blueprint: Blueprint) -> str:
+    """The route whose answer shows the engine's HTTP side is alive (its registration route)."""
+    return blueprint.engine.api(blueprint.plan.role).registration_path
 
 
 @pytest.mark.parametrize(
@@ -112,7 +119,7 @@ def test_roles_without_a_safe_probe(backend, mode, model_type, enabled):
 
 def test_canaries_off():
     settings = Settings.model_validate({"SIDECAR_BACKEND": "vllm"})
-    plan = plan_canary(settings.canary_config())
+    plan = resolve(settings).plan
     assert not plan.enabled
     assert "DYN_HEALTH_CHECK_ENABLED" in plan.why
 
@@ -195,13 +202,14 @@ def test_a_kept_canary_is_the_only_one_sent_and_ends_with_its_probe(monkeypatch)
     probes send no other while it waits, and closing the probe cancels it (no task outlives the
     monitor)."""
     on = {"DYN_HEALTH_CHECK_ENABLED": "true", "SIDECAR_MODEL": "tiny"}
-    plan = plan_canary(settings_from(monkeypatch, SIDECAR_BACKEND="openai", **on).canary_config())
+    blueprint = blueprint_from(monkeypatch, SIDECAR_BACKEND="openai", **on)
+    plan = blueprint.plan
 
     async def main() -> None:
         with VirtualClock().patch_loop():
             engine = _FrozenServer()
             loop = asyncio.get_running_loop()
-            probe = HttpCanary(engine, timeout=0.05, clock=loop.time)
+            probe = HttpCanary(engine, timeout=0.05, answers=answers(blueprint), clock=loop.time)
             results = [
                 await probe(plan, plan.request("tiny", f"canary-{n}"), "tiny") for n in range(3)
             ]
@@ -243,16 +251,17 @@ class _SlowSglang:
     ],
 )
 def test_a_timed_out_sglang_canary_is_aborted_by_rid_and_says_so(monkeypatch, status, said):
-    plan = plan_canary(
-        settings_from(
-            monkeypatch, SIDECAR_BACKEND="sglang", DYN_HEALTH_CHECK_ENABLED="true"
-        ).canary_config()
+    blueprint = blueprint_from(
+        monkeypatch, SIDECAR_BACKEND="sglang", DYN_HEALTH_CHECK_ENABLED="true"
     )
+    plan = blueprint.plan
     engine = _SlowSglang(status)
     request = plan.request(None, "canary-1")
 
     async def main() -> Result:
-        return await HttpCanary(engine, timeout=0.05)(plan, request, None)
+        return await HttpCanary(engine, timeout=0.05, answers=answers(blueprint))(
+            plan, request, None
+        )
 
     result = asyncio.run(main())
     assert result.outcome is Outcome.TIMEOUT

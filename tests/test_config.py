@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from sidecar.config import Backend, ConfigError, Mode
+from sidecar.config import ConfigError
+from sidecar.core.vocabulary import Mode
 from tests.support.configured import run_cli, settings_from
 from tests.support.harness import ROOT
 
@@ -21,7 +22,7 @@ def test_defaults(monkeypatch):
     assert (s.system_host, s.system_port) == ("0.0.0.0", 9090)
     assert (s.health_path, s.live_path) == ("/health", "/live")
     assert s.engine_url == "http://127.0.0.1:8000"
-    assert (s.backend, s.disaggregation_mode) == (Backend.VLLM, Mode.AGGREGATED)
+    assert (s.backend, s.disaggregation_mode) == ("vllm", Mode.AGGREGATED)
 
 
 @pytest.mark.unit
@@ -164,8 +165,9 @@ def test_env_file(tmp_path):
 @pytest.mark.process
 def test_a_missing_runtime_is_refused_at_start_with_the_command_that_installs_it(tmp_path):
     """Validation does not depend on the machine: --check-config passes a Dynamo profile where
-    the dynamo extra is not installed (and says so), and the sidecar refuses to start there,
-    exit 2, one line with the command that works where it is installed from."""
+    the dynamo extra is not installed (valid, but it cannot start here: exit 3, the missing
+    extra named), and the sidecar refuses to start there, exit 3, one line with the command that
+    works where it is installed from."""
     hidden = tmp_path / "no-runtime"
     (hidden / "dynamo").mkdir(parents=True)
     (hidden / "dynamo" / "__init__.py").write_text("")  # a dynamo package without its runtime
@@ -174,11 +176,15 @@ def test_a_missing_runtime_is_refused_at_start_with_the_command_that_installs_it
     hint = f"{sys.executable} -m pip install -e '{ROOT}[dynamo]'"
 
     checked = run_cli("--env-file", profile, "--check-config", env=env)
-    assert checked.returncode == 0, checked.stderr
+    assert checked.returncode == 3, checked.stderr
+    assert checked.stdout.startswith(
+        "health-sidecar: configuration is valid, but it cannot start here (exit 3):\n"
+        "  missing      SIDECAR_TRANSPORT=dynamo: expected"
+    )
     assert hint in checked.stdout
 
     started = run_cli("--env-file", profile, env=env)
-    assert started.returncode == 2
+    assert started.returncode == 3
     (line,) = started.stderr.strip().splitlines()
     assert line.startswith("health-sidecar: cannot start: SIDECAR_TRANSPORT=dynamo: expected")
     assert hint in line

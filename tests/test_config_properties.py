@@ -23,14 +23,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import Any, get_args
+from typing import Annotated, Any, get_args, get_origin
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sidecar import config
-from sidecar.config import ConfigError, Settings, load_settings
+from sidecar import wiring
+from sidecar.config import ConfigError, LogLevel, Settings
+from sidecar.config.values import MODE_ALIASES
+from sidecar.core.vocabulary import MONITORED_ENDPOINTS, Mode
+from sidecar.engines import ENGINES
+from sidecar.transports import TRANSPORTS
 from tests.support.configured import run_cli
 from tests.support.harness import LOOPBACK, free_port
 
@@ -72,13 +76,14 @@ def field_of(name: str) -> tuple[str, Any]:
 
 
 def load(monkeypatch: pytest.MonkeyPatch, **env: str) -> Settings:
-    """load_settings() with exactly these variables set (all other DYN_/SIDECAR_ ones unset)."""
+    """The full loader (sidecar.wiring.load, as the command line runs it) with exactly these
+    variables set (all other DYN_/SIDECAR_ ones unset)."""
     for key in list(os.environ):
         if key.startswith(ENV_PREFIXES):
             monkeypatch.delenv(key)
     for key, value in env.items():
         monkeypatch.setenv(key, value)
-    return load_settings()
+    return wiring.load()
 
 
 def assert_one_line_naming(monkeypatch: pytest.MonkeyPatch, name: str, value: str) -> str:
@@ -174,13 +179,17 @@ def bool_strategies() -> tuple[st.SearchStrategy[str], st.SearchStrategy[str]]:
 
 def enum_values(enum: type[Enum]) -> set[str]:
     values = {str(member.value) for member in enum}
-    if enum is config.Mode:
-        values |= set(getattr(config, "MODE_ALIASES", {}))
+    if enum is Mode:
+        values |= set(MODE_ALIASES)
     return values
 
 
 def enum_strategies(enum: type[Enum]) -> tuple[st.SearchStrategy[str], st.SearchStrategy[str]]:
-    values = enum_values(enum)
+    return choice_strategies(enum_values(enum))
+
+
+def choice_strategies(values: set[str]) -> tuple[st.SearchStrategy[str], st.SearchStrategy[str]]:
+    """A variable that takes one of fixed names (an enum's values, a table's keys)."""
     near_misses = [v.upper() if v.islower() else v.lower() for v in values] + [
         v + " " for v in values
     ]
@@ -189,6 +198,18 @@ def enum_strategies(enum: type[Enum]) -> tuple[st.SearchStrategy[str], st.Search
         st.sampled_from(sorted(v for v in near_misses if v not in values)),
     )
     return malformed, st.sampled_from(sorted(values))
+
+
+def level_strategies(values: set[str]) -> tuple[st.SearchStrategy[str], st.SearchStrategy[str]]:
+    """SIDECAR_LOG_LEVEL: its names in any case (the case is no near miss)."""
+    malformed = st.one_of(
+        ANY_TEXT.filter(lambda v: v.upper() not in values),
+        st.sampled_from(sorted(v + " " for v in values)),
+    )
+    valid = st.sampled_from(sorted(values)).flatmap(
+        lambda v: st.sampled_from([v, v.lower(), v.capitalize()])
+    )
+    return malformed, valid
 
 
 SEGMENT = st.text(
@@ -228,7 +249,7 @@ def _not_json(text: str) -> bool:
 
 
 def list_strategies() -> tuple[st.SearchStrategy[str], st.SearchStrategy[str]]:
-    names = list(config.MONITORED_ENDPOINTS)
+    names = list(MONITORED_ENDPOINTS)
     malformed = st.one_of(
         ANY_TEXT.filter(_not_json),
         JSON_VALUES.filter(lambda v: not isinstance(v, list)).map(json.dumps),
@@ -332,7 +353,7 @@ class Kind:
 
     malformed: st.SearchStrategy[str] | None  # None: no value is malformed (see ``why``)
     valid: st.SearchStrategy[str]
-    parsed: Callable[[str], Any] | None = None  # what load_settings() must make of a valid value
+    parsed: Callable[[str], Any] | None = None  # what wiring.load() must make of a valid value
     why: str = ""
 
 
@@ -348,11 +369,27 @@ def _secret(value: Any) -> Any:
 GRPC_ENGINE = {"SIDECAR_TRANSPORT": "grpc", "SIDECAR_ENGINE_URL": "grpc://127.0.0.1:50051"}
 
 
+def transport_needs(name: str) -> dict[str, str]:
+    """What a transport needs beside it: a grpc:// engine URL where it takes one, a backend it
+    reaches (SIDECAR_BACKEND's default where it can)."""
+    transport = TRANSPORTS.get(name)
+    if transport is None:
+        return {}
+    needs = {}
+    if transport.grpc_url:
+        needs["SIDECAR_ENGINE_URL"] = GRPC_ENGINE["SIDECAR_ENGINE_URL"]
+    if "vllm" not in transport.backends:
+        needs["SIDECAR_BACKEND"] = transport.backends[0]
+    return needs
+
+
 def kind_of(name: str) -> Kind | None:
     """The strategies for one environment variable, or None when it has none (a test fails)."""
     _key, field = field_of(name)
     args = [a for a in get_args(field.annotation) if a is not type(None)] or [field.annotation]
     base = args[0]
+    if get_origin(base) is Annotated:  # a kind of value with its validators (UrlPath | None)
+        base = get_args(base)[0]
     expected = str((field.json_schema_extra or {}).get("expected", ""))
     special: dict[str, Callable[[], Kind]] = {
         "DYN_SYSTEM_USE_ENDPOINT_HEALTH_STATUS": lambda: Kind(
@@ -439,6 +476,12 @@ def kind_of(name: str) -> Kind | None:
             ),
             parsed=lambda v: v.removeprefix("dyn://"),
         ),
+        # A backend is a key of sidecar.engines.ENGINES, a transport one of TRANSPORTS.
+        "SIDECAR_BACKEND": lambda: Kind(*choice_strategies(set(ENGINES)), parsed=lambda v: v),
+        "SIDECAR_TRANSPORT": lambda: Kind(*choice_strategies(set(TRANSPORTS)), parsed=lambda v: v),
+        "SIDECAR_LOG_LEVEL": lambda: Kind(
+            *level_strategies(set(LogLevel)), parsed=lambda v: LogLevel(v.upper())
+        ),
         "SIDECAR_MODEL": lambda: Kind(
             st.text(alphabet=" \t\n\r\x0b\x0c\u00a0\u2003\u3000", min_size=1),
             ANY_TEXT.filter(lambda v: v.strip() != ""),
@@ -452,7 +495,7 @@ def kind_of(name: str) -> Kind | None:
             *bool_strategies(), parsed=lambda v: v.lower() in {"1", "on", "t", "true", "y", "yes"}
         )
     if isinstance(base, type) and issubclass(base, Enum):
-        aliases = getattr(config, "MODE_ALIASES", {}) if base is config.Mode else {}
+        aliases = MODE_ALIASES if base is Mode else {}
         return Kind(*enum_strategies(base), parsed=lambda v: aliases.get(v, v))
     if base is float:
         return Kind(*seconds_strategies(field), parsed=float)
@@ -529,9 +572,7 @@ def test_valid_value_is_taken_as_given(
         "SIDECAR_DYNAMO_ENDPOINT": {"SIDECAR_TRANSPORT": "dynamo"},
         "SIDECAR_METRICS_URL": GRPC_ENGINE,
         "SIDECAR_GRPC_SERVICE": GRPC_ENGINE,
-        "SIDECAR_TRANSPORT": {"SIDECAR_ENGINE_URL": GRPC_ENGINE["SIDECAR_ENGINE_URL"]}
-        if value == "grpc"
-        else {},
+        "SIDECAR_TRANSPORT": transport_needs(value),
         "SIDECAR_EC_STORAGE_PATH": {
             "SIDECAR_DISAGGREGATION_MODE": "encode",
             "SIDECAR_MODEL_TYPE": "multimodal",
@@ -590,7 +631,7 @@ SAMPLE_MALFORMED: dict[str, str] = {
     "SIDECAR_CANARY_PATH": "/v1//completions",
     "SIDECAR_SGLANG_BOOTSTRAP_PORT": "8998.5",
     "SIDECAR_MAX_RESPONSE_BYTES": "1023",
-    "SIDECAR_LOG_LEVEL": "debug",
+    "SIDECAR_LOG_LEVEL": "verbose",
     "SIDECAR_CANARY_CHECK_ANSWER": "maybe",
     "SIDECAR_CONTROL_PORT": "0",
     "SIDECAR_MAINTENANCE_MAX": "0",
@@ -612,6 +653,8 @@ def sample_for(name: str) -> str | None:
         return None
     _key, field = field_of(name)
     base = [a for a in get_args(field.annotation) if a is not type(None)] or [field.annotation]
+    if get_origin(base[0]) is Annotated:
+        base = [get_args(base[0])[0]]
     return {bool: "maybe", float: "0", int: "-1"}.get(base[0], "not a valid value")
 
 

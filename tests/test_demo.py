@@ -18,10 +18,10 @@ from typing import Any
 import httpx
 import pytest
 
-from sidecar.probes import CanaryConfig, prober_for
-from sidecar.probes.role import Backend, Mode, ModelType, Role
+from sidecar.core.vocabulary import Mode, ModelType, Role
+from sidecar.engines import ENGINES
 from sidecar.tools import demo as demo_tool
-from tests.support.configured import settings_from
+from tests.support.configured import blueprint_from
 from tests.support.harness import LOOPBACK, ROOT, Proc, base_env, free_port, wait_until
 from tests.support.inprocess import EngineLink
 
@@ -92,7 +92,9 @@ def test_demo_honours_the_env_file_and_starts_the_configured_fake_engine(tmp_pat
         assert "starting the fake sglang engine (decode)" in demo.output()
         assert "backend=sglang mode=decode" in demo.output()
         body = httpx.get(f"{url}/health", timeout=1, trust_env=False).json()
-        assert "bootstrap_host" in body["checks"]["generate"]["canary_why"]
+        why = body["checks"]["generate"]["canary_why"]
+        assert "bootstrap host 2.2.2.2" in why, why  # SGLang's fake KV transfer: no peer needed
+        assert "fake KV transfer" in why, why
         metrics = httpx.get(f"{url}/metrics", timeout=1, trust_env=False).text
         assert 'backend="sglang"' in metrics
         assert 'mode="decode"' in metrics
@@ -243,12 +245,12 @@ def answering(status: int, body: bytes = b"") -> Callable[[], httpx.AsyncBaseTra
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("backend", [b.value for b in Backend])
+@pytest.mark.parametrize("backend", list(ENGINES))
 def test_the_demo_uses_an_engine_of_the_configured_backend(backend: str):
     """Each fake engine answers as its backend's prober expects: its registration route (the
-    sidecar's, from the prober) with 200, or its model list with a model id."""
+    sidecar's, from the engine's API) with 200, or its model list with a model id."""
     role = Role(Mode.AGGREGATED, ModelType.TEXT)
-    registration = prober_for(CanaryConfig(Backend(backend), role)).registration_path
+    registration = ENGINES[backend].api(role).registration_path
     found = looked(lambda: EngineLink(backend), registration)
     assert found.engine, found
     assert found.answers
@@ -280,7 +282,7 @@ def test_the_demo_finds_nothing_where_nothing_listens():
 def test_the_demo_says_its_timings_and_serves(monkeypatch: pytest.MonkeyPatch):
     """The demo's defaults are shorter than serve's; it says both, and the bound of a hang that
     follows from them (wait 5 + retry 1 + 2 timeouts of 2 s: 10 s, not the 7 s one may time)."""
-    said = demo_tool.timings(settings_from(monkeypatch, **demo_tool.DEMO_DEFAULTS))
+    said = demo_tool.timings(blueprint_from(monkeypatch, **demo_tool.DEMO_DEFAULTS))
     assert said.startswith("demo: timings (demo defaults; serve's defaults: a canary every 10 s, ")
     assert "3 s timeout, 120 s liveness window)" in said
     assert "a canary every 5 s when ready, 2 s timeout" in said
@@ -288,7 +290,7 @@ def test_the_demo_says_its_timings_and_serves(monkeypatch: pytest.MonkeyPatch):
     assert "/live fails within 36 s (30 s liveness window)" in said  # 5 + 1 + 30
 
     configured = demo_tool.DEMO_DEFAULTS | {"DYN_CANARY_WAIT_TIME": "7"}
-    said = demo_tool.timings(settings_from(monkeypatch, **configured))
+    said = demo_tool.timings(blueprint_from(monkeypatch, **configured))
     assert said.startswith("demo: timings (as configured; serve's defaults: ")
     assert "a canary every 7 s when ready" in said
     assert "notready within 12 s of a hang" in said
@@ -300,10 +302,10 @@ def test_the_demo_says_when_no_canary_would_see_a_hang(monkeypatch: pytest.Monke
         "SIDECAR_DISAGGREGATION_MODE": "encode",
         "SIDECAR_MODEL_TYPE": "text",
     }
-    said = demo_tool.timings(settings_from(monkeypatch, **env))
+    said = demo_tool.timings(blueprint_from(monkeypatch, **env))
     assert "no canary" in said
     assert "a hang behind its 200 is not seen" in said
     # An image encoder has its canary.
     env["SIDECAR_MODEL_TYPE"] = "multimodal"
-    said = demo_tool.timings(settings_from(monkeypatch, **env))
+    said = demo_tool.timings(blueprint_from(monkeypatch, **env))
     assert "notready within 10 s of a hang" in said

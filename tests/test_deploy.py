@@ -23,9 +23,10 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
-from sidecar.config import Settings, load_settings
+from sidecar.config import Settings
 from sidecar.tools.probes import render
-from sidecar.wiring import install_hint
+from sidecar.transports.seam import install_hint
+from sidecar.wiring import load, resolve
 from tests.support.deployfiles import (
     MAX_LOAD_SECONDS,
     OLDEST_K8S,
@@ -62,6 +63,8 @@ PROFILES = {
     "llamacpp-aggregated": ("openai", "aggregated", "text"),
     "vllm-grpc": ("vllm", "aggregated", "text"),
     "sglang-grpc": ("sglang", "decode", "text"),
+    "trtllm-openengine-prefill": ("trtllm", "prefill", "text"),
+    "trtllm-openengine-decode": ("trtllm", "decode", "text"),
 }
 # Dynamo workers (canaries over the request plane; the worker's system server is on 9090, the
 # sidecar on 9091): profile -> (SIDECAR_BACKEND, SIDECAR_DISAGGREGATION_MODE)
@@ -81,6 +84,7 @@ TOPOLOGIES = {
     "sglang-disaggregated": ("sglang-prefill", "sglang-decode"),
     "vllm-epd-encode": ("vllm-encode",),
     "smg-grpc-workers": ("vllm-grpc", "sglang-grpc"),
+    "trtllm-openengine": ("trtllm-openengine-prefill", "trtllm-openengine-decode"),
 }
 # what each profile's engine command must contain
 ENGINE_COMMAND = {
@@ -97,11 +101,17 @@ ENGINE_COMMAND = {
         "--disaggregation-mode decode",
         "--enable-metrics",
     ),
+    "trtllm-openengine-prefill": ("trtllm-serve", "--grpc --grpc-protocol openengine"),
+    "trtllm-openengine-decode": ("trtllm-serve", "--grpc --grpc-protocol openengine"),
 }
 # Where each transport's engine listens in a pod (SIDECAR_ENGINE_URL): its HTTP API on 8000, or
 # its gRPC generation service (SIDECAR_TRANSPORT=grpc, the workers SGLang Model Gateway routes to)
 # on 50051.
-ENGINE_URL = {"http": "http://127.0.0.1:8000", "grpc": "grpc://127.0.0.1:50051"}
+ENGINE_URL = {
+    "http": "http://127.0.0.1:8000",
+    "grpc": "grpc://127.0.0.1:50051",
+    "openengine": "grpc://127.0.0.1:50051",
+}
 ENV_LINE = re.compile(r"[A-Z][A-Z0-9_]*=[^\s'\"#][^\s#]*|[A-Z][A-Z0-9_]*=")
 
 
@@ -112,7 +122,7 @@ def env_files() -> list[Path]:
 def settings_of(path: Path, monkeypatch: pytest.MonkeyPatch) -> Settings:
     for name in Settings.model_fields:
         monkeypatch.delenv(str(Settings.model_fields[name].validation_alias), raising=False)
-    return load_settings(str(path))
+    return load(str(path))
 
 
 # --- config/ ---------------------------------------------------------------------------------
@@ -131,8 +141,18 @@ def test_profile_passes_check_config(path: Path):
         [sys.executable, "-m", "sidecar", "--env-file", str(path), "--check-config"],
         env=base_env(),
     )
-    assert proc.returncode == 0, proc.stderr
+    # Valid anywhere; a directory the pod mounts (the encoder cache) is not on this machine, and
+    # --check-config says so: exit 3, the missing directory named on its own line.
+    storage = read_env(path).get("SIDECAR_EC_STORAGE_PATH")
+    lacks = []
+    if storage is not None and not Path(storage).is_dir():
+        lacks.append(
+            f"  missing      SIDECAR_EC_STORAGE_PATH={storage}: expected a directory here "
+            "(it is not one)"
+        )
+    assert proc.returncode == (3 if lacks else 0), proc.stderr
     assert "configuration is valid" in proc.stdout
+    assert [line for line in proc.stdout.splitlines() if line.startswith("  missing")] == lacks
 
 
 @pytest.mark.unit
@@ -176,7 +196,8 @@ def test_grpc_profile_reaches_the_engine_over_its_grpc_service(
     assert settings.transport == "grpc"
     assert settings.engine_url == ENGINE_URL["grpc"]
     assert settings.system_port == 9090
-    assert settings.grpc_registration is not None  # both servers serve grpc.health.v1
+    # both servers serve grpc.health.v1: the registration check asks it
+    assert resolve(settings).route.checking.asked.startswith("grpc.health.v1 Check(")
     # vLLM's gRPC servicer serves no metrics (the canary alone decides); SGLang's side server does.
     metrics = {"vllm-grpc": None, "sglang-grpc": "http://127.0.0.1:50052"}[name]
     assert settings.metrics_url == metrics
@@ -288,7 +309,7 @@ def test_engine_probes_target_the_sidecar(render_overlay, topology: str, monkeyp
         sidecar = container(spec, SIDECAR, "initContainers")
         engine = container(spec, ENGINE)
         assert settings.system_port in [p["containerPort"] for p in sidecar["ports"]]
-        expected = yaml.safe_load(render(settings, MAX_LOAD_SECONDS))
+        expected = yaml.safe_load(render(resolve(settings), MAX_LOAD_SECONDS))
         for name, path in (
             ("startupProbe", settings.health_path),
             ("livenessProbe", settings.live_path),

@@ -19,6 +19,7 @@ import yaml
 
 from sidecar.config import Settings
 from sidecar.tools.probes import render
+from sidecar.wiring import resolve
 from tests.support.configured import settings_from
 from tests.support.deployfiles import (
     MAX_LOAD_SECONDS,
@@ -57,7 +58,7 @@ def load(path: Path) -> list[dict[str, Any]]:
 
 
 def expected_probes(settings: Settings) -> dict[str, Any]:
-    return yaml.safe_load(render(settings, MAX_LOAD_SECONDS))
+    return yaml.safe_load(render(resolve(settings), MAX_LOAD_SECONDS))
 
 
 def only(items: list[dict[str, Any]], name: str) -> dict[str, Any]:
@@ -190,7 +191,7 @@ def test_grpc_example_probes_the_grpc_health_service(monkeypatch, tmp_path: Path
     assert settings.grpc_port in ports
     assert settings.system_port in ports
     engine = spec["containers"][0]
-    expected = yaml.safe_load(render(settings, MAX_LOAD_SECONDS, grpc=True))
+    expected = yaml.safe_load(render(resolve(settings), MAX_LOAD_SECONDS, grpc=True))
     services = {"startupProbe": "readiness", "livenessProbe": "liveness"}
     for name in PROBES:
         assert engine[name] == expected[name], name

@@ -8,7 +8,6 @@ from dataclasses import replace
 
 import pytest
 
-from sidecar.config import Mode, ModelType
 from sidecar.core.endpoint import (
     EndpointState,
     apply_canary,
@@ -24,9 +23,8 @@ from sidecar.core.evidence.policy import Policy
 from sidecar.core.evidence.result import Outcome, Result
 from sidecar.core.evidence.transfers import TransferState, on_transfers, read_transfers
 from sidecar.core.verdict import clocks, decide_liveness, endpoint_verdict
-from sidecar.probes.base import Role
-from sidecar.probes.sglang import SglangProber
-from sidecar.probes.vllm import VllmProber
+from sidecar.engines import vllm
+from tests.support.configured import blueprint_of
 
 pytestmark = pytest.mark.unit
 
@@ -183,16 +181,18 @@ def test_the_answer_is_not_checked_when_off_or_unknown():
 
 
 def test_which_answers_are_reproducible():
+    def prober(backend: str, mode: str):
+        on = {"health_check_enabled": True}
+        return blueprint_of(backend=backend, disaggregation_mode=mode, **on).plan.prober
+
     completion = {"choices": [{"text": " the", "finish_reason": "length"}]}
-    vllm = VllmProber()
-    assert vllm.answer(completion, Role(Mode.DECODE, ModelType.TEXT)) == " the"
+    assert prober("vllm", "decode").answer(completion) == " the"
     ids = {"choices": [{"text": "x", "token_ids": [5], "finish_reason": "length"}]}
-    assert vllm.answer(ids, Role(Mode.AGGREGATED, ModelType.TEXT)) == "x [5]"
-    sglang = SglangProber(8998)
+    assert prober("vllm", "aggregated").answer(ids) == "x [5]"
     generated = {"text": " a", "meta_info": {}}
-    assert sglang.answer(generated, Role(Mode.AGGREGATED, ModelType.TEXT)) == " a"
+    assert prober("sglang", "aggregated").answer(generated) == " a"
     # A decode canary's fake transfer brings no KV: its answer cannot be a reference.
-    assert sglang.answer(generated, Role(Mode.DECODE, ModelType.TEXT)) is None
+    assert prober("sglang", "decode").answer(generated) is None
 
 
 # --- the sleep gauge ---------------------------------------------------------------------------
@@ -221,12 +221,12 @@ vllm:engine_sleep_state{engine="0",model_name="tiny",sleep_state="discard_all"} 
     ],
 )
 def test_sleeping_in_the_metrics(text, sleeping):
-    assert sleeping_in(text, VllmProber.awake)[0] is sleeping
+    assert sleeping_in(text, vllm.HTTP.awake)[0] is sleeping
 
 
 def test_one_sleeping_rank_is_named():
     text = AWAKE + AWAKE.replace('engine="0"', 'engine="1"').replace('awake"} 1.0', 'awake"} 0.0')
-    sleeping, why = sleeping_in(text, VllmProber.awake)
+    sleeping, why = sleeping_in(text, vllm.HTTP.awake)
     assert sleeping is True
     assert why == 'vllm:engine_sleep_state{sleep_state="awake"} is 0 (engine 1)'
 
@@ -242,7 +242,7 @@ vllm:num_requests_kv_fetch_by_stage{{engine="0",model_name="tiny",stage="complet
 
 def nixl(at: float, ft: float = 0.0, fn: float = 0.0, ip: float = 0.0):
     text = NIXL.format(ft=ft, fn=fn, ip=ip)
-    return read_transfers(text, VllmProber.transfers, at, 1e9 + at)
+    return read_transfers(text, vllm.HTTP.transfers, at, 1e9 + at)
 
 
 def test_transfer_counters_are_read_by_kind():
@@ -254,7 +254,7 @@ def test_transfer_counters_are_read_by_kind():
         "expired_kv": 0.0,
     }
     assert sample.fetching == 1.0  # completed_waiting is not a fetch
-    assert read_transfers("vllm:num_requests_running 0\n", VllmProber.transfers, 1.0, 1.0) is None
+    assert read_transfers("vllm:num_requests_running 0\n", vllm.HTTP.transfers, 1.0, 1.0) is None
 
 
 def test_failing_transfers_note_the_verdict_and_change_nothing_else():

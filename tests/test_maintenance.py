@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from sidecar.probes import plan_canary
-from sidecar.wiring import _log_serving, build
+from sidecar.wiring import build, resolve
+from sidecar.wiring.build import log_serving
 from tests.support.control import control_client
 from tests.support.engineprocess import ProcessLink
 from tests.support.exposition import metric
@@ -157,14 +157,14 @@ def test_no_control_routes_without_a_port(caplog):
     """No SIDECAR_CONTROL_PORT: no control server is built (no port is opened), none is said,
     and the HTTP server has no such route."""
     caplog.set_level(logging.INFO)
-    settings = settings_of(CANARY_ON)
-    sidecar = build(settings)
+    blueprint = resolve(settings_of(CANARY_ON))
+    sidecar = build(blueprint)
     try:
         assert sidecar.servers.control is None
         assert len(sidecar.servers.all()) == 1
     finally:
         sidecar.monitor.loop.close()  # the monitor's loop, never started
-    _log_serving(settings, plan_canary(settings.canary_config()))
+    log_serving(blueprint)
     assert "health-sidecar serving" in caplog.text
     assert "control routes" not in caplog.text
 

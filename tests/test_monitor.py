@@ -16,19 +16,19 @@ from typing import Any
 import pytest
 from aiotools import VirtualClock
 
-from sidecar.config import Settings
 from sidecar.core.evidence.result import Outcome, Result
 from sidecar.core.observations import MaintenanceDeclared
 from sidecar.core.verdict import Cause
-from sidecar.probes import CanaryRequest, ProbeKind
+from sidecar.probes.base import CanaryRequest
 from sidecar.probes.exchange import Answer, NoAnswer, Received
-from sidecar.probes.http import HttpCanary
 from sidecar.runtime.health import Health, liveness_of, readiness_of
-from sidecar.runtime.monitor import EngineParts, Monitor, Routes
+from sidecar.runtime.monitor import EngineParts, Monitor
 from sidecar.surface.metrics import Metrics
 from sidecar.tools.probes import size
-from sidecar.wiring import health_for, plans_for, registration_path
-from tests.support.configured import settings_from
+from sidecar.transports.http import HttpRegistration
+from sidecar.transports.http.canary import HttpCanary
+from sidecar.wiring import Blueprint, health_for, resolve
+from tests.support.configured import blueprint_from
 from tests.support.exposition import metric
 
 pytestmark = pytest.mark.unit
@@ -122,13 +122,13 @@ COMPLETION = json.dumps(
 ).encode()
 
 
-def settings(monkeypatch: pytest.MonkeyPatch, **env: str) -> Settings:
+def configured(monkeypatch: pytest.MonkeyPatch, **env: str) -> Blueprint:
     base = {"DYN_HEALTH_CHECK_ENABLED": "true", "SIDECAR_MODEL": "tiny"}
-    return settings_from(monkeypatch, **(base | env))
+    return blueprint_from(monkeypatch, **(base | env))
 
 
 def run_virtually(
-    s: Settings,
+    b: Blueprint,
     script: Callable[[Health, ScriptedEngine, Monitor], Awaitable[Any]],
     *,
     check: bool = False,
@@ -138,17 +138,22 @@ def run_virtually(
     async def main() -> tuple[Health, ScriptedEngine]:
         loop = asyncio.get_running_loop()
         with VirtualClock().patch_loop():
-            plans = plans_for(s)
-            plan = plans["generate"]
-            health = health_for(s, plans, clock=loop.time)
+            s = b.settings
+            health = health_for(b, clock=loop.time)
             engine = ScriptedEngine(s.request_timeout)
-            canary = HttpCanary(engine, timeout=s.request_timeout, clock=loop.time)
+            api = b.engine.api(b.plan.role)
+            path = s.registration_path or api.registration_path
+            canary = HttpCanary(engine, timeout=s.request_timeout, answers=path, clock=loop.time)
+            registration = HttpRegistration(
+                engine,  # type: ignore[arg-type]
+                path,
+                any_status=s.registration_path is None and api.registered_by_any_answer,
+            )
             monitor = Monitor(
                 health,
-                EngineParts(engine, {ProbeKind.HTTP: canary}),  # type: ignore[arg-type]
-                plans,
-                s.timing(plan.enabled),  # as the server starts it
-                Routes(registration_path(s, plan), s.metrics_path),
+                EngineParts(engine, {"http": canary}, registration, engine),  # type: ignore[arg-type]
+                b.plans,
+                b.timing,  # as the server starts it
             )
             task = asyncio.create_task(monitor.run())
             try:
@@ -181,8 +186,8 @@ def ready(health: Health) -> bool:
 
 @pytest.mark.parametrize("phase", [0.0, 2.5, 5.0, 9.9])
 def test_a_hang_is_notready_within_the_bound_whenever_it_starts(monkeypatch, phase):
-    s = settings(monkeypatch)
-    bound = size(s, 7200).hang_to_notready  # what `health-sidecar probes` sizes the probes by
+    b = configured(monkeypatch)
+    bound = size(b, 7200).hang_to_notready  # what `health-sidecar probes` sizes the probes by
     took: list[float] = []
 
     async def script(health: Health, engine: ScriptedEngine, _: Monitor) -> None:
@@ -191,13 +196,13 @@ def test_a_hang_is_notready_within_the_bound_whenever_it_starts(monkeypatch, pha
         engine.hung = True
         took.append(await until(lambda: not ready(health), bound + 1))
 
-    _, engine = run_virtually(s, script)
+    _, engine = run_virtually(b, script)
     assert took[0] <= bound, (took, bound)
     assert engine.most_in_flight == 1  # never two canaries at once, hung or not
 
 
 def test_an_idle_healthy_engine_gets_one_canary_per_wait(monkeypatch):
-    s = settings(monkeypatch, DYN_CANARY_WAIT_TIME="10")
+    b = configured(monkeypatch, DYN_CANARY_WAIT_TIME="10")
 
     async def script(health: Health, engine: ScriptedEngine, _: Monitor) -> None:
         await until(lambda: ready(health), 5)
@@ -207,11 +212,11 @@ def test_an_idle_healthy_engine_gets_one_canary_per_wait(monkeypatch):
         gaps = [b - a for a, b in zip(engine.canary_starts, engine.canary_starts[1:], strict=False)]
         assert all(9.9 <= gap <= 11.1 for gap in gaps), gaps
 
-    run_virtually(s, script)
+    run_virtually(b, script)
 
 
 def test_liveness_fails_one_window_after_the_hard_failures_start(monkeypatch):
-    s = settings(monkeypatch, SIDECAR_LIVENESS_WINDOW="30")
+    b = configured(monkeypatch, SIDECAR_LIVENESS_WINDOW="30")
 
     async def script(health: Health, engine: ScriptedEngine, _: Monitor) -> None:
         await until(lambda: ready(health), 5)
@@ -225,7 +230,7 @@ def test_liveness_fails_one_window_after_the_hard_failures_start(monkeypatch):
         # on, as its timeout proves) and runs the whole window.
         assert loop.time() - first_hung == pytest.approx(30, abs=0.05)
 
-    run_virtually(s, script)
+    run_virtually(b, script)
 
 
 def ranks_metrics(count: int) -> str:
@@ -238,7 +243,7 @@ def ranks_metrics(count: int) -> str:
 
 
 def test_ranks_are_counted_by_default_and_again_after_each_restart(monkeypatch):
-    s = settings(monkeypatch)  # SIDECAR_DP_RANKS unset: auto for vllm
+    b = configured(monkeypatch)  # SIDECAR_DP_RANKS unset: auto for vllm
     seen: list[tuple[str, ...]] = []
 
     async def script(health: Health, engine: ScriptedEngine, _: Monitor) -> None:
@@ -262,7 +267,7 @@ def test_ranks_are_counted_by_default_and_again_after_each_restart(monkeypatch):
         await restart(1)  # one rank: checked as one again
         seen.append(units())
 
-    run_virtually(s, script)
+    run_virtually(b, script)
     assert seen == [
         ("generate/rank0", "generate/rank1"),
         ("generate/rank0", "generate/rank1", "generate/rank2"),
@@ -271,7 +276,7 @@ def test_ranks_are_counted_by_default_and_again_after_each_restart(monkeypatch):
 
 
 def test_the_engine_is_read_once_per_interval_for_all_its_ranks(monkeypatch):
-    s = settings(monkeypatch, SIDECAR_DP_RANKS="2")
+    b = configured(monkeypatch, SIDECAR_DP_RANKS="2")
     counted: dict[str, int] = {}
 
     async def script(health: Health, engine: ScriptedEngine, _: Monitor) -> None:
@@ -282,7 +287,7 @@ def test_the_engine_is_read_once_per_interval_for_all_its_ranks(monkeypatch):
         counted.update({k: engine.calls.get(k, 0) - before.get(k, 0) for k in engine.calls})
         assert set(health.snapshot.endpoints) == {"generate/rank0", "generate/rank1"}
 
-    run_virtually(s, script)
+    run_virtually(b, script)
     # One registration check and one metrics read a second, not one per rank, nor one per canary
     # (a canary's baseline is the engine-level read before it left).
     assert 24 <= counted["registration"] <= 26, counted
@@ -292,7 +297,7 @@ def test_the_engine_is_read_once_per_interval_for_all_its_ranks(monkeypatch):
 
 
 def test_a_window_declared_from_outside_wakes_the_loop_and_ends_on_time(monkeypatch):
-    s = settings(monkeypatch, DYN_CANARY_WAIT_TIME="10")
+    b = configured(monkeypatch, DYN_CANARY_WAIT_TIME="10")
 
     async def script(health: Health, engine: ScriptedEngine, monitor: Monitor) -> None:
         loop = asyncio.get_running_loop()
@@ -306,11 +311,11 @@ def test_a_window_declared_from_outside_wakes_the_loop_and_ends_on_time(monkeypa
         assert engine.canary_starts[-1] - declared == pytest.approx(30, abs=0.05)
         await until(lambda: ready(health), 1)
 
-    run_virtually(s, script)
+    run_virtually(b, script)
 
 
 def test_an_unexpected_error_in_any_work_stops_the_monitor(monkeypatch):
-    s = settings(monkeypatch)
+    b = configured(monkeypatch)
 
     async def script(health: Health, engine: ScriptedEngine, _: Monitor) -> None:
         await until(lambda: ready(health), 5)
@@ -322,11 +327,11 @@ def test_an_unexpected_error_in_any_work_stops_the_monitor(monkeypatch):
         await asyncio.sleep(5)
 
     with pytest.raises(RuntimeError, match="a bug"):
-        run_virtually(s, script, check=True)
+        run_virtually(b, script, check=True)
 
 
 def test_a_fault_the_engine_reports_is_notready_and_restarts_only_after_the_window(monkeypatch):
-    s = settings(monkeypatch, SIDECAR_LIVENESS_WINDOW="30")
+    b = configured(monkeypatch, SIDECAR_LIVENESS_WINDOW="30")
 
     async def script(health: Health, engine: ScriptedEngine, _: Monitor) -> None:
         loop = asyncio.get_running_loop()
@@ -334,17 +339,19 @@ def test_a_fault_the_engine_reports_is_notready_and_restarts_only_after_the_wind
         await until(lambda: ready(health), 5)
         engine.faults = {0: "unhealthy"}  # its /health still answers 200
         took = await until(lambda: not ready(health), 5)
-        assert took <= s.registration_interval + 0.1
+        assert took <= b.settings.registration_interval + 0.1
         verdict = health.snapshot.verdicts["generate"]
         assert verdict.reason == "vLLM fault tolerance: engine 0 reports unhealthy"
-        text = Metrics(health, s.about()).exposition().decode()
+        text = Metrics(health, b.about).exposition().decode()
         assert (
             metric(text, "health_sidecar_engine_fault", endpoint="generate", state="unhealthy") == 1
         )
         assert metric(text, "health_sidecar_engine_fault", endpoint="generate", state="dead") == 0
         started = loop.time()
         await until(lambda: not liveness_of(health.snapshot, loop.time()).live, 40)
-        assert loop.time() - started == pytest.approx(30, abs=s.registration_interval + 0.1)
+        assert loop.time() - started == pytest.approx(
+            30, abs=b.settings.registration_interval + 0.1
+        )
         assert liveness_of(health.snapshot, loop.time()).cause is Cause.FAULT
 
         engine.faults = {0: "recovering"}  # notready and live, as a pause is; no canary
@@ -355,14 +362,14 @@ def test_a_fault_the_engine_reports_is_notready_and_restarts_only_after_the_wind
         assert not ready(health)
 
         engine.faults = {0: "healthy"}  # a fresh canary proves it at once
-        await until(lambda: engine.calls["canary"] > sent, s.registration_interval + 0.1)
+        await until(lambda: engine.calls["canary"] > sent, b.settings.registration_interval + 0.1)
         await until(lambda: ready(health), 1)
 
-    run_virtually(s, script)
+    run_virtually(b, script)
 
 
 def test_a_server_without_fault_tolerance_is_asked_once(monkeypatch):
-    s = settings(monkeypatch)
+    b = configured(monkeypatch)
 
     async def script(health: Health, engine: ScriptedEngine, _: Monitor) -> None:
         await until(lambda: ready(health), 5)
@@ -370,7 +377,7 @@ def test_a_server_without_fault_tolerance_is_asked_once(monkeypatch):
         assert engine.calls["/fault_tolerance/status"] == 1  # 404: not asked again
         assert engine.calls["registration"] >= 20
 
-    run_virtually(s, script)
+    run_virtually(b, script)
 
 
 def test_what_is_handed_in_from_outside_wakes_the_monitor_as_wired():
@@ -384,8 +391,10 @@ def test_what_is_handed_in_from_outside_wakes_the_monitor_as_wired():
     from tests.support.inprocess import EngineLink, run_virtually, settings_of
 
     url = "http://engine:8000"
-    settings = settings_of(
-        {"DYN_HEALTH_CHECK_ENABLED": "true", "SIDECAR_ENGINE_URL": url, "SIDECAR_MODEL": "tiny"}
+    blueprint = resolve(
+        settings_of(
+            {"DYN_HEALTH_CHECK_ENABLED": "true", "SIDECAR_ENGINE_URL": url, "SIDECAR_MODEL": "tiny"}
+        )
     )
 
     def canaries(engine: EngineLink) -> int:
@@ -394,7 +403,7 @@ def test_what_is_handed_in_from_outside_wakes_the_monitor_as_wired():
     async def main() -> float:
         loop = asyncio.get_running_loop()
         engine = EngineLink("vllm")
-        side = build(settings, connect=lambda _: engine)
+        side = build(blueprint, connect=lambda _: engine)
         app = side.servers.http.config.app  # type: ignore[attr-defined]
         http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://side")
         monitor = asyncio.create_task(side.monitor.main())  # the LoopThread's coroutine, here

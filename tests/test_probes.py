@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 import yaml
 
-from sidecar.config import Settings
 from sidecar.tools.probes import READINESS_TARGET_SECONDS, render, size
-from tests.support.configured import settings_from
+from sidecar.wiring import Blueprint
+from tests.support.configured import blueprint_from
 from tests.support.harness import ROOT, base_env
 
 CANARY = {
@@ -27,15 +27,15 @@ CANARY = {
 PROBES = ("startupProbe", "livenessProbe", "readinessProbe")
 
 
-def probes(settings: Settings, max_load: float = 7200) -> dict[str, Any]:
-    parsed = yaml.safe_load(render(settings, max_load))
+def probes(blueprint: Blueprint, max_load: float = 7200) -> dict[str, Any]:
+    parsed = yaml.safe_load(render(blueprint, max_load))
     assert isinstance(parsed, dict)
     return parsed
 
 
 @pytest.mark.unit
 def test_three_http_probes_on_the_sidecar_port_and_paths(monkeypatch):
-    out = probes(settings_from(monkeypatch, **CANARY))
+    out = probes(blueprint_from(monkeypatch, **CANARY))
     assert list(out) == list(PROBES)
     paths = {name: out[name]["httpGet"]["path"] for name in PROBES}
     assert paths == {
@@ -54,14 +54,14 @@ def test_three_http_probes_on_the_sidecar_port_and_paths(monkeypatch):
 
 @pytest.mark.unit
 def test_port_and_paths_follow_the_settings(monkeypatch):
-    s = settings_from(
+    b = blueprint_from(
         monkeypatch,
         DYN_SYSTEM_PORT="9345",
         DYN_SYSTEM_HEALTH_PATH="/ready",
         DYN_SYSTEM_LIVE_PATH="/alive",
         **CANARY,
     )
-    out = probes(s)
+    out = probes(b)
     assert {out[n]["httpGet"]["port"] for n in PROBES} == {9345}
     assert out["livenessProbe"]["httpGet"]["path"] == "/alive"
     assert out["startupProbe"]["httpGet"]["path"] == out["readinessProbe"]["httpGet"]["path"]
@@ -70,17 +70,17 @@ def test_port_and_paths_follow_the_settings(monkeypatch):
 
 @pytest.mark.unit
 def test_a_path_yaml_would_misread_is_quoted(monkeypatch):
-    out = probes(settings_from(monkeypatch, DYN_SYSTEM_HEALTH_PATH="/a:b,[c]", **CANARY))
+    out = probes(blueprint_from(monkeypatch, DYN_SYSTEM_HEALTH_PATH="/a:b,[c]", **CANARY))
     assert out["readinessProbe"]["httpGet"]["path"] == "/a:b,[c]"
 
 
 @pytest.mark.unit
 def test_defaults_take_a_hung_engine_out_of_rotation_within_30_s(monkeypatch):
-    s = settings_from(monkeypatch, **CANARY)
-    z = size(s, 7200)
+    b = blueprint_from(monkeypatch, **CANARY)
+    z = size(b, 7200)
     # wait + retry + (failures - 1) x max(retry, timeout) + timeout = 10 + 1 + 3 + 3
     assert z.hang_to_notready == 17
-    out = probes(s)["readinessProbe"]
+    out = probes(b)["readinessProbe"]
     out_of_rotation = z.hang_to_notready + out["periodSeconds"] * out["failureThreshold"]
     assert out_of_rotation == z.hang_to_unready <= READINESS_TARGET_SECONDS
     assert out["failureThreshold"] >= 2  # one lost probe does not flap readiness
@@ -89,97 +89,99 @@ def test_defaults_take_a_hung_engine_out_of_rotation_within_30_s(monkeypatch):
 @pytest.mark.unit
 @pytest.mark.parametrize("max_load", [60, 600, 7200, 4 * 3600, 12.5])
 def test_startup_covers_the_longest_load(monkeypatch, max_load):
-    s = settings_from(monkeypatch, **CANARY)
-    out = probes(s, max_load)["startupProbe"]
+    b = blueprint_from(monkeypatch, **CANARY)
+    out = probes(b, max_load)["startupProbe"]
     # The kubelet kills at the failureThreshold-th failure; the first probe runs at start.
     killed_at = (out["failureThreshold"] - 1) * out["periodSeconds"]
-    assert killed_at >= max_load + size(s, max_load).load_to_ready
-    assert killed_at < max_load + size(s, max_load).load_to_ready + 2 * out["periodSeconds"]
+    assert killed_at >= max_load + size(b, max_load).load_to_ready
+    assert killed_at < max_load + size(b, max_load).load_to_ready + 2 * out["periodSeconds"]
 
 
 @pytest.mark.unit
 def test_two_hour_load_default(monkeypatch):
-    out = probes(settings_from(monkeypatch, **CANARY))["startupProbe"]
+    out = probes(blueprint_from(monkeypatch, **CANARY))["startupProbe"]
     assert out["periodSeconds"] * (out["failureThreshold"] - 1) >= 7200
 
 
 @pytest.mark.unit
 @pytest.mark.parametrize("canary", [True, False])
 def test_liveness_never_kills_within_the_window(monkeypatch, canary):
-    s = settings_from(monkeypatch, **(CANARY if canary else {}))
-    z = size(s, 7200)
-    out = probes(s)["livenessProbe"]
+    b = blueprint_from(monkeypatch, **(CANARY if canary else {}))
+    z = size(b, 7200)
+    out = probes(b)["livenessProbe"]
     # /live fails only after liveness_window of uninterrupted hard failure (busy engines pass
     # canaries, loading ones are not hard failures); the kubelet then needs failureThreshold
     # consecutive failures, the first of which can come at once.
-    earliest_kill = s.liveness_window + (out["failureThreshold"] - 1) * out["periodSeconds"]
-    assert earliest_kill > s.liveness_window
+    earliest_kill = (
+        b.settings.liveness_window + (out["failureThreshold"] - 1) * out["periodSeconds"]
+    )
+    assert earliest_kill > b.settings.liveness_window
     # The failures span long enough that a sidecar restart (connection refused) is not a kill.
     assert (out["failureThreshold"] - 1) * out["periodSeconds"] >= 20
     # And a hang is still acted on: restart within window + detection + the kubelet's failures.
-    assert z.hang_to_restart <= s.liveness_window + 60
+    assert z.hang_to_restart <= b.settings.liveness_window + 60
 
 
 @pytest.mark.unit
 def test_numbers_follow_the_settings(monkeypatch):
-    base = size(settings_from(monkeypatch, **CANARY), 7200)
-    slow = size(settings_from(monkeypatch, DYN_CANARY_WAIT_TIME="20", **CANARY), 7200)
+    base = size(blueprint_from(monkeypatch, **CANARY), 7200)
+    slow = size(blueprint_from(monkeypatch, DYN_CANARY_WAIT_TIME="20", **CANARY), 7200)
     assert slow.hang_to_notready == base.hang_to_notready + 10
     assert slow.readiness.period < base.readiness.period  # still within the target
     assert slow.hang_to_unready <= READINESS_TARGET_SECONDS
-    longer = size(settings_from(monkeypatch, **CANARY), 3 * 3600)
+    longer = size(blueprint_from(monkeypatch, **CANARY), 3 * 3600)
     assert longer.startup.failures > base.startup.failures
-    shorter = size(settings_from(monkeypatch, **CANARY), 300)
+    shorter = size(blueprint_from(monkeypatch, **CANARY), 300)
     assert shorter.startup.failures < base.startup.failures
     patient = size(
-        settings_from(monkeypatch, SIDECAR_SUCCESS_THRESHOLD="3", **CANARY),
+        blueprint_from(monkeypatch, SIDECAR_SUCCESS_THRESHOLD="3", **CANARY),
         7200,
     )
     assert patient.load_to_ready > base.load_to_ready
-    window = size(settings_from(monkeypatch, SIDECAR_LIVENESS_WINDOW="300", **CANARY), 7200)
+    window = size(blueprint_from(monkeypatch, SIDECAR_LIVENESS_WINDOW="300", **CANARY), 7200)
     assert window.hang_to_restart == base.hang_to_restart + 180
     assert "300 s on one liveness clock" in render(
-        settings_from(monkeypatch, SIDECAR_LIVENESS_WINDOW="300", **CANARY), 7200
+        blueprint_from(monkeypatch, SIDECAR_LIVENESS_WINDOW="300", **CANARY), 7200
     )
 
 
 @pytest.mark.unit
 def test_a_stall_under_load_is_seen_sooner(monkeypatch):
-    z = size(settings_from(monkeypatch, SIDECAR_STALL_WINDOW="6", **CANARY), 7200)
+    z = size(blueprint_from(monkeypatch, SIDECAR_STALL_WINDOW="6", **CANARY), 7200)
     assert z.stall_to_notready == 6  # the stall window is the bound (timeout 3 s, reads 1 s)
     assert z.stall_to_notready < z.hang_to_notready
-    off = settings_from(monkeypatch, SIDECAR_PROGRESS_ENABLED="false", **CANARY)
+    off = blueprint_from(monkeypatch, SIDECAR_PROGRESS_ENABLED="false", **CANARY)
     assert size(off, 7200).stall_to_notready is None
     assert "counters stopping" not in render(off, 7200)
 
 
 @pytest.mark.unit
 def test_without_a_canary_readiness_follows_registration(monkeypatch):
-    s = settings_from(monkeypatch)  # canaries off by default
-    z = size(s, 7200)
+    b = blueprint_from(monkeypatch)  # canaries off by default
+    z = size(b, 7200)
     assert not z.canary
-    assert z.hang_to_notready == s.registration_interval + s.request_timeout
-    assert "no canary" in render(s, 7200)
+    assert z.hang_to_notready == b.settings.registration_interval + b.settings.request_timeout
+    assert "no canary" in render(b, 7200)
 
 
 @pytest.mark.unit
 def test_target_out_of_reach_is_said(monkeypatch):
-    s = settings_from(monkeypatch, DYN_CANARY_WAIT_TIME="60", **CANARY)
-    z = size(s, 7200)
+    b = blueprint_from(monkeypatch, DYN_CANARY_WAIT_TIME="60", **CANARY)
+    z = size(b, 7200)
     assert z.readiness.period == 1
     assert z.hang_to_unready > READINESS_TARGET_SECONDS
-    assert "WARNING: a hung engine leaves rotation only after" in render(s, 7200)
+    assert "WARNING: a hung engine leaves rotation only after" in render(b, 7200)
 
 
 @pytest.mark.unit
 def test_loopback_bind_is_warned(monkeypatch):
-    text = render(settings_from(monkeypatch, DYN_SYSTEM_HOST="127.0.0.1", **CANARY), 7200)
+    text = render(blueprint_from(monkeypatch, DYN_SYSTEM_HOST="127.0.0.1", **CANARY), 7200)
     assert "WARNING: DYN_SYSTEM_HOST=127.0.0.1" in text
 
 
 @pytest.mark.unit
 def test_every_number_is_explained(monkeypatch):
-    text = render(settings_from(monkeypatch, **CANARY), 7200)
+    text = render(blueprint_from(monkeypatch, **CANARY), 7200)
     lines = text.splitlines()
     assert all(len(line) <= 100 for line in lines)
     assert "721 x 10 s = 7210 s >= 7200 s load" in text
@@ -193,7 +195,7 @@ def test_every_number_is_explained(monkeypatch):
 @pytest.mark.parametrize("bad", [0, -5, float("inf"), float("nan")])
 def test_bad_load_time_is_refused(monkeypatch, bad):
     with pytest.raises(ValueError, match="max-load-seconds"):
-        size(settings_from(monkeypatch), bad)
+        size(blueprint_from(monkeypatch), bad)
 
 
 @pytest.mark.process

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from sidecar.config import ConfigError, Settings, load_settings
+from sidecar.config import ConfigError, Settings
 from sidecar.core.evidence.progress import ranks_in, read_progress
 from sidecar.core.verdict import Verdict, rank_verdict
-from sidecar.probes import plan_canary
+from sidecar.probes.base import CanaryPlan
+from sidecar.wiring import check, load, resolve
 
 pytestmark = pytest.mark.unit
 
@@ -40,23 +41,26 @@ def test_rank_policy(ranks, need, ready, degraded, reason):
 
 
 def settings(**env: str) -> Settings:
-    return Settings.model_validate({"DYN_HEALTH_CHECK_ENABLED": "true", **env})
+    made = Settings.model_validate({"DYN_HEALTH_CHECK_ENABLED": "true", **env})
+    assert not check(made), check(made)
+    return made
+
+
+def plan_of(**env: str) -> CanaryPlan:
+    """The generate endpoint's plan, as the sidecar resolves it for ``env``."""
+    return resolve(settings(**env)).plan
 
 
 def test_vllm_pins_with_the_header_and_sglang_with_the_body_field():
-    vllm = plan_canary(settings().canary_config()).for_rank(1)
+    vllm = plan_of().for_rank(1)
     request = vllm.request("tiny", "canary-x")
     assert request.headers == {"X-data-parallel-rank": "1"}
     assert "data_parallel_rank" not in request.body  # vLLM ignores it; the header pins
     assert vllm.unit == "generate/rank1"
-    sglang = (
-        plan_canary(settings(SIDECAR_BACKEND="sglang").canary_config())
-        .for_rank(3)
-        .request(None, "c")
-    )
+    sglang = plan_of(SIDECAR_BACKEND="sglang").for_rank(3).request(None, "c")
     assert sglang.body["data_parallel_rank"] == 3
     assert sglang.headers == {}
-    unpinned = plan_canary(settings().canary_config()).request("tiny", "canary-y")
+    unpinned = plan_of().request("tiny", "canary-y")
     assert unpinned.headers == {}
 
 
@@ -73,7 +77,7 @@ vllm:generation_tokens_total{engine="1",model_name="tiny"} 7.0
 
 
 def test_each_rank_reads_its_own_series():
-    plan = plan_canary(settings().canary_config())
+    plan = plan_of()
     one = read_progress(VLLM_DP, plan.for_rank(1).progress_spec(), 1.0, 1.0)
     assert one.in_flight == 3.0
     assert one.counters["prompt"] == 96.0
@@ -82,11 +86,13 @@ def test_each_rank_reads_its_own_series():
     assert zero.counters["generation"] == 6.0
     every = read_progress(VLLM_DP, plan.progress_spec(), 1.0, 1.0)  # unpinned: the sum
     assert every.counters["prompt"] == 144.0
-    assert plan.for_rank(1).progress_spec("/custom").path == "/custom"
+    # SIDECAR_METRICS_PATH is where every rank's series are read.
+    custom = plan_of(SIDECAR_METRICS_PATH="/custom")
+    assert custom.for_rank(1).progress_spec().path == "/custom"
 
 
 def test_ranks_are_counted_from_the_in_flight_gauges():
-    spec = plan_canary(settings().canary_config()).progress_spec()
+    spec = plan_of().progress_spec()
     gauges = (*spec.running, *spec.waiting)
     assert ranks_in(VLLM_DP, gauges, "engine") == (0, 1)
     single = 'vllm:num_requests_running{engine="0",model_name="tiny"} 0.0\n'
@@ -118,7 +124,7 @@ sglang:num_requests_total{engine_type="unified",is_streaming="false",model_name=
 
 
 def test_sglang_ranks_are_counted_and_read_from_the_schedulers_series():
-    plan = plan_canary(settings(SIDECAR_BACKEND="sglang").canary_config())
+    plan = plan_of(SIDECAR_BACKEND="sglang")
     spec = plan.progress_spec()
     assert ranks_in(SGLANG_DP, (*spec.running, *spec.waiting), "dp_rank") == (0, 1)
     zero = read_progress(SGLANG_DP, plan.for_rank(0).progress_spec(), 1.0, 1.0)
@@ -147,7 +153,7 @@ def test_rank_settings_are_refused_with_one_line(monkeypatch, env, line):
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     with pytest.raises(ConfigError) as info:
-        load_settings()
+        load()
     assert len(info.value.lines) == 1
     assert info.value.lines[0].startswith(line), info.value.lines
 
@@ -155,7 +161,7 @@ def test_rank_settings_are_refused_with_one_line(monkeypatch, env, line):
 @pytest.mark.parametrize(("value", "parsed"), [("1", 1), ("8", 8), ("auto", "auto"), (" 4 ", 4)])
 def test_rank_counts(monkeypatch, value, parsed):
     monkeypatch.setenv("SIDECAR_DP_RANKS", value)
-    assert load_settings().dp_ranks == parsed
+    assert load().dp_ranks == parsed
 
 
 @pytest.mark.parametrize(
@@ -172,4 +178,4 @@ def test_rank_counts(monkeypatch, value, parsed):
 def test_ranks_are_counted_by_default_where_the_engine_can_tell_them(monkeypatch, env, ranks):
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    assert load_settings().ranks == ranks
+    assert resolve(load()).ranks == ranks

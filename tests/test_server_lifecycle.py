@@ -36,7 +36,7 @@ from sidecar.core.observations import Observation
 from sidecar.core.verdict import HEARTBEAT_STALE
 from sidecar.runtime.health import Health
 from sidecar.runtime.server import DRAIN_POLL, Servers, Sidecar, StartupError
-from sidecar.wiring import health_for, monitor_main, plans_for, surface_for
+from sidecar.wiring import health_for, monitor_main, resolve, surface_for
 from tests.support.exposition import metric
 from tests.support.inprocess import EngineLink, run_virtually, settings_of, until
 
@@ -147,15 +147,15 @@ async def lifecycle(
 ) -> AsyncIterator[Running]:
     """The sidecar's lifecycle serving, as ``sidecar.wiring.build`` assembles it, with the fake
     servers and the monitor on this loop (``main``: another monitor, given the state's writer)."""
-    settings = settings_of(CANARY_ON | (env or {}))
+    blueprint = resolve(settings_of(CANARY_ON | (env or {})))
+    settings = blueprint.settings
     loop = asyncio.get_running_loop()
-    plans = plans_for(settings)
-    health = health_for(settings, plans, clock=loop.time)
-    surface = surface_for(settings, health)
+    health = health_for(blueprint, clock=loop.time)
+    surface = surface_for(blueprint, health)
     engine = EngineLink("vllm", served=True)
 
     async def monitor() -> None:
-        await monitor_main(settings, health, plans, connect=lambda url: engine)
+        await monitor_main(blueprint, health, connect=lambda url: engine)
 
     runner = TaskRunner(monitor if main is None else main(health), health.observe)
     http = FakeServer(surface.app, binds=http_binds)

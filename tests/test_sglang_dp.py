@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from sidecar.config import Settings
-from sidecar.probes import plan_canary
+from sidecar.wiring import resolve
 from tests.support.harness import wait_until
 from tests.support.netns import isolated  # noqa: F401  (the module's private network namespace)
 from tests.support.processes import Shared, handed_over
@@ -60,7 +60,7 @@ def test_ranks_are_counted_and_each_gets_its_own_canary_and_progress(server, sid
         assert "sglang:num_requests_total" not in detail  # the tokenizer's counters name no rank
         assert check(side, unit)["last_canary"]["outcome"] == "success"
     # The rank-1 canary is pinned by data_parallel_rank, and the real server runs it there.
-    plan = plan_canary(Settings.model_validate(sglang_env(server)).canary_config()).for_rank(1)
+    plan = resolve(Settings.model_validate(sglang_env(server))).plan.for_rank(1)
     pinned = plan.request(None, "canary-pinned").body
     assert pinned["data_parallel_rank"] == 1
     answer = server.generate(pinned)

@@ -6,14 +6,14 @@ from __future__ import annotations
 import pytest
 from fastapi.testclient import TestClient
 
-from sidecar.config import load_settings
 from sidecar.core.evidence.result import Outcome, Result
 from sidecar.core.observations import CanaryDone, DrainAsked, Heartbeat, Registered
 from sidecar.core.verdict import HEARTBEAT_STALE
 from sidecar.runtime.health import Health
 from sidecar.surface.app import create_app
 from sidecar.surface.metrics import Metrics
-from tests.support.configured import health_of
+from sidecar.wiring import health_for
+from tests.support.configured import blueprint_from
 
 pytestmark = pytest.mark.unit
 
@@ -27,17 +27,15 @@ class Clock:
 
 
 def ready_health(monkeypatch) -> tuple[Health, Clock, TestClient]:
-    monkeypatch.setenv("DYN_HEALTH_CHECK_ENABLED", "true")
-    monkeypatch.setenv("SIDECAR_MODEL", "tiny")
-    settings = load_settings()
+    blueprint = blueprint_from(monkeypatch, DYN_HEALTH_CHECK_ENABLED="true", SIDECAR_MODEL="tiny")
     clock = Clock()
-    health = health_of(settings, clock=clock)
+    health = health_for(blueprint, clock=clock)
     ok = Result(Outcome.SUCCESS, "GET /health -> 200", 100.0, 100.01, 1e9, "", 200)
     health.observe(Registered("generate", ok))
     canary = Result(Outcome.SUCCESS, "fine", 100.02, 100.03, 1e9, "canary-1", 200)
     incarnation = health.snapshot.endpoints["generate"].incarnation
     health.observe(CanaryDone("generate", canary, incarnation))
-    app = create_app(settings.about(), health, Metrics(health, settings.about()))
+    app = create_app(blueprint.about, health, Metrics(health, blueprint.about))
     return health, clock, TestClient(app)
 
 

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from sidecar.config import ConfigError, load_settings
+from sidecar.config import ConfigError
 from sidecar.core.evidence.result import Outcome, Result
 from sidecar.core.observations import CanaryDone, Registered
 from sidecar.runtime.health import Health
@@ -32,7 +32,8 @@ from sidecar.surface.history import History, scrub
 from sidecar.surface.metrics import Metrics
 from sidecar.surface.statuspage import render
 from sidecar.surface.view import About
-from tests.support.configured import health_of
+from sidecar.wiring import health_for
+from tests.support.configured import blueprint_from, settings_from
 from tests.support.harness import ROOT, Sidecar, base_env, wait_until
 from tests.support.prerequisites import missing as prerequisite_missing
 
@@ -89,13 +90,13 @@ def test_history_keeps_no_credentials() -> None:
 
 
 def health_with_history(monkeypatch: pytest.MonkeyPatch) -> tuple[Health, History, TestClient]:
-    monkeypatch.setenv("DYN_HEALTH_CHECK_ENABLED", "true")
-    monkeypatch.setenv("SIDECAR_MODEL", "tiny")  # a model the canary names: no lookup needed
-    settings = load_settings()
-    health = health_of(settings)
+    # SIDECAR_MODEL: a model the canary names, so no lookup is needed.
+    blueprint = blueprint_from(monkeypatch, DYN_HEALTH_CHECK_ENABLED="true", SIDECAR_MODEL="tiny")
+    health = health_for(blueprint)
     history = History()
     health.subscribe(history.on_event)
-    app = create_app(settings.about(), health, Metrics(health, settings.about()), history)
+    about = blueprint.about
+    app = create_app(about, health, Metrics(health, about), history)
     return health, history, TestClient(app)
 
 
@@ -134,9 +135,8 @@ def test_the_renderer_escapes_every_dynamic_value(monkeypatch) -> None:
 @pytest.mark.unit
 @pytest.mark.parametrize("path", ["/", "/debug/history"])
 def test_the_page_routes_are_reserved(monkeypatch, path: str) -> None:
-    monkeypatch.setenv("DYN_SYSTEM_HEALTH_PATH", path)
     with pytest.raises(ConfigError) as caught:
-        load_settings()
+        settings_from(monkeypatch, DYN_SYSTEM_HEALTH_PATH=path)
     assert "DYN_SYSTEM_HEALTH_PATH" in str(caught.value)
 
 

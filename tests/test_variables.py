@@ -10,15 +10,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sidecar.config import (
-    DYNAMO_PREFIX,
-    SIDECAR_PREFIX,
-    ConfigError,
-    check_names,
-    dynamo_names,
-    load_settings,
-    read_names,
-)
+from sidecar import wiring
+from sidecar.config import ConfigError, check_names
+from sidecar.config.names import DYNAMO_PREFIX, SIDECAR_PREFIX, dynamo_names, read_names
 
 pytestmark = pytest.mark.unit
 
@@ -133,7 +127,7 @@ def test_the_cases_users_hit_are_refused_with_one_line(monkeypatch, tmp_path, na
             monkeypatch.delenv(key)
     monkeypatch.setenv(name, "true")
     with pytest.raises(ConfigError) as raised:
-        load_settings()
+        wiring.load()
     assert raised.value.lines == [
         f"{name}: expected a variable the sidecar {'or Dynamo ' if name.startswith('DYN') else ''}"
         f"reads (did you mean {nearest}?)"
@@ -142,6 +136,6 @@ def test_the_cases_users_hit_are_refused_with_one_line(monkeypatch, tmp_path, na
     env_file = tmp_path / "profile.env"
     env_file.write_text(f"{name}=true\n")
     with pytest.raises(ConfigError) as raised:
-        load_settings(str(env_file))
+        wiring.load(str(env_file))
     assert len(raised.value.lines) == 1
     assert raised.value.lines[0].startswith(f"{name}: ")

@@ -9,7 +9,6 @@ from dataclasses import replace
 
 import pytest
 
-from sidecar.config import StartingStatus
 from sidecar.core.endpoint import (
     EndpointState,
     apply_canary,
@@ -53,6 +52,7 @@ from sidecar.core.verdict import (
     worker_liveness,
     worker_readiness,
 )
+from sidecar.core.vocabulary import StartingStatus
 from sidecar.runtime.engine import BadEncoding, BodyTooLarge, _decode
 from tests.support.tables import COST, POLICY, SPEC
 

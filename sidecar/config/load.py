@@ -23,6 +23,7 @@ from pydantic import ValidationError
 from sidecar.config.fields import Settings
 from sidecar.config.names import check_names, names_set
 from sidecar.config.rules import broken_rules, env_name, expected, shown
+from sidecar.config.values import CHOICES, choice_expected
 
 
 class ConfigError(Exception):
@@ -45,12 +46,7 @@ class Catalog:
     problems: Callable[[Settings], list[str]] = lambda s: []
 
 
-def choice_expected(field_name: str, choices: Collection[str]) -> str:
-    """What a field with a fixed set of values expects, as an error line says it."""
-    return "one of " + ", ".join(choices)
-
-
-def _error_lines(exc: ValidationError) -> list[str]:
+def _error_lines(exc: ValidationError, catalog: Catalog) -> list[str]:
     by_alias = {env_name(name): name for name in Settings.model_fields}
     lines = []
     for err in exc.errors(include_url=False):
@@ -59,22 +55,10 @@ def _error_lines(exc: ValidationError) -> list[str]:
         known = name in Settings.model_fields
         detail = err["msg"].removeprefix("Value error, ")
         want = expected(name) if known else "a valid value"
-        lines.append(
-            f"{env_name(name) if known else key}={shown(name, err['input'])}: "
-            f"expected {want} ({detail})"
-        )
-    return lines
-
-
-def _choice_lines(settings: Settings, catalog: Catalog) -> list[str]:
-    """A field whose value is not one its table holds (an unknown backend, transport)."""
-    lines = []
-    for name, values in catalog.choices.items():
-        value = getattr(settings, name)
-        if value is not None and value not in values:
-            lines.append(
-                f"{env_name(name)}={shown(name, value)}: expected {choice_expected(name, values)}"
-            )
+        if name in catalog.choices:
+            want, detail = choice_expected(catalog.choices[name]), ""
+        said = f"{env_name(name) if known else key}={shown(name, err['input'])}: expected {want}"
+        lines.append(f"{said} ({detail})" if detail else said)
     return lines
 
 
@@ -82,10 +66,12 @@ def validated(settings: Settings, catalog: Catalog | None = None) -> list[str]:
     """What is wrong with settings whose variables are each valid: a value its table does not
     hold, then every broken rule across variables (the configuration's and the parts')."""
     catalog = catalog or Catalog()
-    malformed = _choice_lines(settings, catalog)
-    if malformed:
-        return malformed
-    return broken_rules(settings) + catalog.problems(settings)
+    unknown = [
+        f"{env_name(name)}={shown(name, value)}: expected {choice_expected(values)}"
+        for name, values in catalog.choices.items()
+        if (value := getattr(settings, name)) is not None and value not in values
+    ]
+    return unknown or broken_rules(settings) + catalog.problems(settings)
 
 
 def load_settings(
@@ -108,10 +94,13 @@ def load_settings(
         if name not in present:
             kwargs[name] = value
     refused = list(check_names(names_set(env_file), catalog.passes).refused)
+    token = CHOICES.set(catalog.choices)
     try:
         settings = Settings(**kwargs)
     except ValidationError as exc:
-        raise ConfigError(refused + _error_lines(exc)) from None
+        raise ConfigError(refused + _error_lines(exc, catalog)) from None
+    finally:
+        CHOICES.reset(token)
     errors = refused + validated(settings, catalog)
     if errors:
         raise ConfigError(errors)

@@ -69,11 +69,11 @@ def guessed(name: str, ours: frozenset[str]) -> str | None:
     return None
 
 
-def _nearest_sidecar(name: str, ours: Iterable[str]) -> str | None:
+def _nearest_sidecar(name: str, ours: Iterable[str], cutoff: float) -> str | None:
     """The SIDECAR_* name the sidecar reads that ``name`` is closest to, compared after the
-    prefix they share; None when none is close."""
+    prefix they share, at least ``cutoff`` alike (difflib's ratio); None when none is."""
     tails = {n.removeprefix(SIDECAR_PREFIX): n for n in ours if n.startswith(SIDECAR_PREFIX)}
-    near = difflib.get_close_matches(name.removeprefix(SIDECAR_PREFIX), sorted(tails), 1, SUGGESTED)
+    near = difflib.get_close_matches(name.removeprefix(SIDECAR_PREFIX), sorted(tails), 1, cutoff)
     return tails[near[0]] if near else None
 
 
@@ -95,7 +95,13 @@ def check_names(names: Iterable[str], passes: Iterable[str] = ()) -> Names:
     ignored: list[tuple[str, str]] = []
     for name in sorted(set(names) - ours):
         if name.startswith(SIDECAR_PREFIX):
-            near = guessed(name, ours) or _nearest_sidecar(name, ours)
+            # A likely typo of a name we read first; then what its words mean; then anything
+            # near.
+            near = (
+                _nearest_sidecar(name, ours, MISSPELLED)
+                or guessed(name, ours)
+                or _nearest_sidecar(name, ours, SUGGESTED)
+            )
             hint = f"did you mean {near}?" if near else "docs/reference/configuration.md has them"
             refused.append(f"{name}: expected a variable the sidecar reads ({hint})")
         elif not name.startswith(DYNAMO_PREFIX):
@@ -104,9 +110,9 @@ def check_names(names: Iterable[str], passes: Iterable[str] = ()) -> Names:
             ignored.append((name, "Dynamo's own: the worker reads it"))
         elif any(name == p or (p.endswith("_") and name.startswith(p)) for p in handed):
             ignored.append((name, "passed to Dynamo's runtime client (SIDECAR_TRANSPORT=dynamo)"))
-        elif near := (guessed(name, ours) if "_CANARY_" in f"{name}_" else None) or next(
+        elif near := next(
             iter(difflib.get_close_matches(name, sorted(dyns), 1, MISSPELLED)), None
-        ):
+        ) or (guessed(name, ours) if "_CANARY_" in f"{name}_" else None):
             refused.append(
                 f"{name}: expected a variable the sidecar or Dynamo reads (did you mean {near}?)"
             )

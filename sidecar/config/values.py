@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Collection, Mapping
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Annotated, Any
 from urllib.parse import urlsplit
 
-from pydantic import AfterValidator, BeforeValidator
+from pydantic import AfterValidator, BeforeValidator, ValidationInfo
 from pydantic_settings import NoDecode
 
 from sidecar.core.vocabulary import MONITORED_ENDPOINTS, OPTIONAL_ENDPOINTS, Mode
@@ -174,11 +176,23 @@ def _mode_alias(value: Any) -> Any:
 
 def _upper(value: Any) -> Any:
     """Levels in any case, as uvicorn and Dynamo's DYN_LOG take them."""
-    return value.strip().upper() if isinstance(value, str) else value
+    return value.upper() if isinstance(value, str) else value
 
 
-def _lower_name(value: Any) -> Any:
-    return value.strip() if isinstance(value, str) else value
+#: The values each field with a table of names may take (SIDECAR_BACKEND: the engines'), set
+#: by the loader for the time it validates (the tables are the composition root's).
+CHOICES: ContextVar[Mapping[str, Collection[str]] | None] = ContextVar("choices", default=None)
+
+
+def choice_expected(choices: Collection[str]) -> str:
+    return "one of " + ", ".join(choices)
+
+
+def _one_of_the_table(value: str, info: ValidationInfo) -> str:
+    names = (CHOICES.get() or {}).get(info.field_name or "")
+    if names is not None and value not in names:
+        raise ValueError(f"not {choice_expected(names)}")
+    return value
 
 
 UrlPath = Annotated[str, AfterValidator(_url_path)]
@@ -195,4 +209,4 @@ EndpointList = Annotated[tuple[str, ...], NoDecode, BeforeValidator(_endpoint_li
 Payload = Annotated[dict[str, Any] | None, NoDecode, BeforeValidator(_payload)]
 ModeAlias = BeforeValidator(_mode_alias)
 Level = BeforeValidator(_upper)
-Choice = Annotated[str, BeforeValidator(_lower_name), AfterValidator(_not_blank)]
+Choice = Annotated[str, AfterValidator(_not_blank), AfterValidator(_one_of_the_table)]

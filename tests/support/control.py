@@ -12,6 +12,7 @@ from fastapi.routing import APIRoute
 
 from sidecar.core.observations import Observation
 from sidecar.surface.control import CONTROL_HOST, create_control_app
+from sidecar.wiring import resolve
 from tests.support.inprocess import InProcessSidecar
 
 
@@ -23,7 +24,7 @@ def control_client(side: InProcessSidecar, token: str | None = None) -> httpx.As
     async def submit(obs: Observation) -> None:
         side.health.observe(obs)
 
-    app = on_the_loop(create_control_app(side.settings.control(), side.health, submit))
+    app = on_the_loop(create_control_app(resolve(side.settings).control, side.health, submit))
     headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
     return httpx.AsyncClient(
         transport=httpx.ASGITransport(app=app),
