@@ -11,6 +11,7 @@ through :func:`scrubbed`) at one place.
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Iterable
 from typing import Any
@@ -68,3 +69,22 @@ def scrubbed(value: Any) -> Any:
     if isinstance(value, list | tuple):
         return [scrubbed(v) for v in value]
     return value
+
+
+class RedactingFilter(logging.Filter):
+    """The log's one place for the rule: every record a handler writes, at every level, its
+    message and its traceback, has its secrets hidden (the configured tokens, URL credentials,
+    Authorization and bearer values)."""
+
+    def __init__(self, secrets: Iterable[str] = ()) -> None:
+        super().__init__()
+        self.secrets = tuple(s for s in secrets if s)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.msg, record.args = redact(record.getMessage(), self.secrets), None
+        if record.exc_info:
+            text = logging.Formatter().formatException(record.exc_info)
+            record.exc_info, record.exc_text = None, redact(text, self.secrets)
+        elif record.exc_text:
+            record.exc_text = redact(record.exc_text, self.secrets)
+        return True

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from sidecar.probes import CanaryConfig, plan_canary
-from sidecar.probes.role import Backend, EmbeddingTransfer, Mode, ModelType, Role, Transport
+from sidecar.core.vocabulary import EmbeddingTransfer
+from tests.support.configured import blueprint_of
 from tests.support.dynamo_vllm import DynamoVllmWorker, direct_canaries, dynamo_vllm_worker
 from tests.support.dynamo_worker import sidecar_env
 from tests.support.exposition import samples, total
@@ -84,11 +84,16 @@ def canaries(side: Sidecar) -> dict[str, float]:
 
 def encode_payload(request_id: str) -> dict:
     """The sidecar's canary, as a client of the test's own sends it."""
-    role = Role(Mode.ENCODE, ModelType.MULTIMODAL)
-    config = CanaryConfig(
-        Backend.VLLM, role, Transport.DYNAMO, True, embedding_transfer=EmbeddingTransfer.LOCAL
-    )
-    return plan_canary(config).request(None, request_id).body
+    plan = blueprint_of(
+        backend="vllm",
+        disaggregation_mode="encode",
+        model_type="multimodal",
+        transport="dynamo",
+        engine_url="http://127.0.0.1:9090",  # a worker's system server: not asked here
+        embedding_transfer_mode=EmbeddingTransfer.LOCAL,
+        health_check_enabled=True,
+    ).plan
+    return plan.request(None, request_id).body
 
 
 def test_the_canary_passes_and_each_file_is_removed(worker: DynamoVllmWorker, sidecar) -> None:

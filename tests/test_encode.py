@@ -18,16 +18,18 @@ from aiotools import VirtualClock
 
 from sidecar.config import Settings
 from sidecar.core.evidence.result import Outcome
-from sidecar.probes import CanaryConfig, plan_canary
-from sidecar.probes.dynamo.canary import DynamoCanary
+from sidecar.core.vocabulary import EmbeddingTransfer
+from sidecar.probes.base import CanaryPlan
+from sidecar.probes.canary import Canary
 from sidecar.probes.exchange import Answer, NoAnswer, Received, Streamed
 from sidecar.probes.image import data_url, fresh_png
 from sidecar.probes.judge import judge
-from sidecar.probes.role import Backend, EmbeddingTransfer, Mode, ModelType, Role, Transport
 from sidecar.runtime.leftovers import Leftovers
 from sidecar.tools.plan import render as render_plan
 from sidecar.tools.probes import render as render_probes
 from sidecar.tools.probes import size
+from sidecar.wiring import resolve
+from tests.support.configured import blueprint_of
 from tests.support.exposition import metric
 from tests.support.inprocess import EngineLink, run_virtually, running, until
 
@@ -43,11 +45,23 @@ ENCODER = {
     "SIDECAR_MODEL_TYPE": "multimodal",
 }
 CACHE_FILE = "encoder_cache.safetensors"
+DYNAMO_URL = "http://w:9090"  # a Dynamo worker's system server
 
 
-def encoder_plan():
-    role = Role(Mode.ENCODE, ModelType.MULTIMODAL)
-    return plan_canary(CanaryConfig(Backend.VLLM, role, enabled=True))
+def image_encoder(backend: str = "vllm", **fields: object) -> CanaryPlan:
+    """The generate endpoint's plan of a multimodal model's encode worker, canaries on."""
+    return blueprint_of(
+        backend=backend,
+        disaggregation_mode="encode",
+        model_type="multimodal",
+        health_check_enabled=True,
+        **fields,
+    ).plan
+
+
+def encoder_plan() -> CanaryPlan:
+    """vLLM's encoder over its HTTP API."""
+    return image_encoder(engine_url=URL)
 
 
 async def canaries(engine: EngineLink) -> list[dict[str, Any]]:
@@ -307,14 +321,22 @@ def test_a_busy_encoder_is_not_hung():
     run_virtually(main)
 
 
-@pytest.mark.parametrize("backend", [Backend.SGLANG, Backend.TRTLLM])
-def test_an_encode_worker_over_dynamos_request_plane_has_no_canary_yet_and_says_so(backend):
-    """Dynamo's SGLang and TensorRT-LLM encode workers take their own request types, which no
-    prober builds yet: no canary, and the reason names the transport it was asked for."""
-    role = Role(Mode.ENCODE, ModelType.MULTIMODAL)
-    plan = plan_canary(CanaryConfig(backend, role, Transport.DYNAMO, enabled=True))
+@pytest.mark.parametrize(
+    ("backend", "said"),
+    [
+        # Dynamo's SGLang encode worker takes its own request type, which no prober builds yet.
+        ("sglang", "no encode canary is known for sglang over dynamo"),
+        # TensorRT-LLM's encoder gets none whatever carries it: the engine's rule, written once.
+        ("trtllm", "CUDA IPC handles"),
+    ],
+)
+def test_an_encode_worker_over_dynamos_request_plane_has_no_canary_yet_and_says_so(backend, said):
+    """No canary for these encode workers over Dynamo's request plane, and the reason says why
+    and how to give one (DYN_HEALTH_CHECK_PAYLOAD)."""
+    plan = image_encoder(backend, transport="dynamo", engine_url=DYNAMO_URL)
     assert plan.enabled is False
-    assert f"no encode canary is known for {backend} over dynamo" in plan.why
+    assert said in plan.why
+    assert "DYN_HEALTH_CHECK_PAYLOAD" in plan.why
 
 
 # What Dynamo 1.6.1's vLLM encode worker answered the tiny Llava's canary (local transfer mode),
@@ -339,12 +361,11 @@ DYNAMO_ENCODED = {
 DYNAMO_FILE = "encoder_cache.08ebcc02602d4e7c816812290b5c1f52_0.rr3rdun5.safetensors"
 
 
-def dynamo_encoder_plan(transfer: EmbeddingTransfer = EmbeddingTransfer.LOCAL):
-    role = Role(Mode.ENCODE, ModelType.MULTIMODAL)
-    config = CanaryConfig(
-        Backend.VLLM, role, Transport.DYNAMO, enabled=True, embedding_transfer=transfer
+def dynamo_encoder_plan(transfer: EmbeddingTransfer = EmbeddingTransfer.LOCAL) -> CanaryPlan:
+    """Dynamo's vLLM encode worker over its request plane, in ``transfer`` mode."""
+    return image_encoder(
+        transport="dynamo", engine_url=DYNAMO_URL, embedding_transfer_mode=transfer
     )
-    return plan_canary(config)
 
 
 @pytest.mark.parametrize("transfer", [EmbeddingTransfer.NIXL_WRITE, EmbeddingTransfer.NIXL_READ])
@@ -358,11 +379,12 @@ def test_dynamos_vllm_encode_worker_in_a_nixl_mode_keeps_the_old_rule_and_says_w
 def test_nixl_write_is_dynamos_default_and_the_sidecars(monkeypatch):
     """Unset, DYN_VLLM_EMBEDDING_TRANSFER_MODE is nixl-write (ai-dynamo 1.6.1's code, whatever
     its help text says): no canary until it says local."""
-    base = ENCODER | {"SIDECAR_TRANSPORT": "dynamo", "SIDECAR_ENGINE_URL": "http://w:9090"}
+    base = ENCODER | {"SIDECAR_TRANSPORT": "dynamo", "SIDECAR_ENGINE_URL": DYNAMO_URL}
     unset = Settings.model_validate(base)
     local = Settings.model_validate(base | {"DYN_VLLM_EMBEDDING_TRANSFER_MODE": "local"})
-    assert plan_canary(unset.canary_config()).enabled is False
-    assert plan_canary(local.canary_config()).enabled is True
+    assert unset.embedding_transfer_mode is EmbeddingTransfer.NIXL_WRITE
+    assert resolve(unset).plan.enabled is False
+    assert resolve(local).plan.enabled is True
 
 
 def test_dynamos_vllm_encode_canary_is_its_multimodal_request_with_a_new_image():
@@ -479,7 +501,7 @@ def test_a_timed_out_dynamo_encode_canary_is_kept_and_its_late_file_removed(tmp_
             loop = asyncio.get_running_loop()
             worker = _StoppedEncodeWorker(tmp_path)
             sweeper = Leftovers(tmp_path, clock=loop.time, offload=_inline)
-            probe = DynamoCanary(worker, timeout=0.5, clock=loop.time, sweeper=sweeper)
+            probe = Canary(worker, timeout=0.5, clock=loop.time, sweeper=sweeper, holds_on="stream")
             results = [await probe(plan, plan.request(None, f"canary-{n}"), None) for n in range(3)]
             assert [r.outcome for r in results] == [Outcome.TIMEOUT] * 3
             assert worker.sent == ["canary-0"]  # never more than the one on the worker
@@ -503,9 +525,11 @@ def test_the_plans_say_an_encoders_gauges_show_no_work_and_bound_no_stall(tmp_pa
     """An encoder's in-flight gauges read 0 under load (docs/engines.md): --check-config says
     nothing is held or suspected for load, and the probes promise no bound under load; a text
     model's decode worker keeps both."""
-    encoder = Settings.model_validate(ENCODER | {"SIDECAR_EC_STORAGE_PATH": str(tmp_path)})
-    decode = Settings.model_validate(
-        ENCODER | {"SIDECAR_DISAGGREGATION_MODE": "decode", "SIDECAR_MODEL_TYPE": "text"}
+    encoder = resolve(Settings.model_validate(ENCODER | {"SIDECAR_EC_STORAGE_PATH": str(tmp_path)}))
+    decode = resolve(
+        Settings.model_validate(
+            ENCODER | {"SIDECAR_DISAGGREGATION_MODE": "decode", "SIDECAR_MODEL_TYPE": "text"}
+        )
     )
     assert "stall rule   off: no request shows in flight" in render_plan(encoder)
     assert "holds        routine canaries" not in render_plan(encoder)
@@ -628,15 +652,13 @@ def test_a_stuck_removal_never_holds_the_canary_back(tmp_path):
 
 
 def test_the_sidecar_refuses_to_start_without_its_storage_path(tmp_path):
-    from sidecar.wiring import missing_for
-
     missing = tmp_path / "missing"
     settings = Settings.model_validate(ENCODER | {"SIDECAR_EC_STORAGE_PATH": str(missing)})
-    assert missing_for(settings) == (
-        f"SIDECAR_EC_STORAGE_PATH={missing}: expected a directory here (it is not one)"
+    assert resolve(settings).missing == (
+        f"SIDECAR_EC_STORAGE_PATH={missing}: expected a directory here (it is not one)",
     )
     settings = Settings.model_validate(ENCODER | {"SIDECAR_EC_STORAGE_PATH": str(tmp_path)})
-    assert missing_for(settings) is None
+    assert resolve(settings).missing == ()
 
 
 def test_no_answer_is_a_timeout_whose_file_may_come_later():
@@ -696,10 +718,12 @@ def test_a_hung_sglang_encoder_is_notready_with_one_health_check_on_it_at_a_time
 
 
 def test_sglangs_encoder_gets_no_pinned_ranks_and_reads_no_metrics():
-    settings = Settings.model_validate(SGLANG_ENCODER)
-    assert settings.ranks == 1
-    assert settings.timing(True, metrics=False).metrics is None
-    text = render_plan(settings)
+    blueprint = resolve(Settings.model_validate(SGLANG_ENCODER))
+    assert blueprint.ranks == 1
+    assert blueprint.plan.reads.pin is None
+    assert blueprint.timing.metrics is None
+    assert not blueprint.metrics_read
+    text = render_plan(blueprint)
     assert "request      GET /health" in text
     assert "body         none" in text
     assert "engine metrics not read" in text

@@ -22,12 +22,13 @@ import pytest
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from sidecar.config import ConfigError, load_settings
+from sidecar.config import ConfigError
 from sidecar.core.evidence.result import Outcome, Result
 from sidecar.core.observations import Registered
 from sidecar.core.verdict import HEARTBEAT_STALE
 from sidecar.surface.grpchealth import TICK, GrpcHealth
 from sidecar.tools.probes import render
+from sidecar.wiring import load, resolve
 from tests.support.configured import health_of, run_cli, settings_from
 from tests.support.harness import LOOPBACK, ROOT, FakeEngine, Sidecar, free_port
 
@@ -383,7 +384,7 @@ def test_probes_grpc_prints_grpc_probes_with_the_same_numbers(monkeypatch):
     assert "--grpc` for backend vllm" in done.stdout  # how it was sized, said in its comment
     # The printed text is the function's (tests/test_deploy_dropin.py checks the example on it).
     settings_from(monkeypatch, SIDECAR_GRPC_PORT="50051")  # the only variable set
-    assert render(load_settings(profile), 7200.0, grpc=True) == done.stdout.rstrip("\n")
+    assert render(resolve(load(profile)), 7200.0, grpc=True) == done.stdout.rstrip("\n")
 
 
 @pytest.mark.process

@@ -10,16 +10,18 @@ from typing import Any
 
 import pytest
 
-from sidecar.config import ConfigError, Settings, load_settings
+from sidecar.config import ConfigError
 from sidecar.core.evidence.result import Outcome
-from sidecar.probes import CanaryConfig, ProbeKind, plan_canary
+from sidecar.core.vocabulary import Mode
+from sidecar.engines.base import FAKE_BOOTSTRAP_HOST
+from sidecar.probes.base import CanaryPlan
 from sidecar.probes.exchange import Received, Streamed
 from sidecar.probes.judge import judge
-from sidecar.probes.role import Backend, Mode, ModelType, Role, Transport
-from sidecar.probes.sglang import FAKE_BOOTSTRAP_HOST
 from sidecar.tools.plan import render as render_plan
 from sidecar.tools.probes import render as render_probes
 from sidecar.tools.probes import size
+from sidecar.transports.grpc import health_target, prober_class
+from tests.support.configured import blueprint_from, blueprint_of, settings_from
 
 pytestmark = pytest.mark.unit
 
@@ -30,9 +32,16 @@ GRPC = {
 }
 
 
-def plan(backend: Backend, mode: Mode = Mode.AGGREGATED):
-    role = Role(mode, ModelType.TEXT)
-    return plan_canary(CanaryConfig(backend, role, Transport.GRPC, enabled=True))
+def plan(backend: str, mode: Mode = Mode.AGGREGATED, **fields: object) -> CanaryPlan:
+    """The generate endpoint's plan of a text model's worker over gRPC, canaries on."""
+    return blueprint_of(
+        backend=backend,
+        disaggregation_mode=mode,
+        transport="grpc",
+        engine_url="grpc://127.0.0.1:50051",
+        health_check_enabled=True,
+        **fields,
+    ).plan
 
 
 def received(*messages: dict[str, Any]) -> Received:
@@ -41,11 +50,11 @@ def received(*messages: dict[str, Any]) -> Received:
 
 @pytest.mark.parametrize("mode", list(Mode)[:3])
 def test_vllm_sends_a_plain_local_generation_in_every_role(mode):
-    p = plan(Backend.VLLM, mode)
+    p = plan("vllm", mode)
     request = p.request(None, "canary-1")
     assert (p.enabled, p.probe, p.path) == (
         True,
-        ProbeKind.GRPC,
+        "grpc",
         "/vllm.grpc.engine.VllmEngine/Generate",
     )
     assert request.body == {
@@ -67,7 +76,7 @@ def test_vllm_sends_a_plain_local_generation_in_every_role(mode):
 )
 def test_trtllm_prefill_and_decode_carry_disaggregated_params(mode, params):
     """DIS-1737's rule over gRPC: TensorRT-LLM decode refuses a request without them."""
-    p = plan(Backend.TRTLLM, mode)
+    p = plan("trtllm", mode)
     body = p.request(None, "canary-1").body
     assert p.path == "/trtllm.TrtllmService/Generate"
     assert body.get("disaggregated_params") == params
@@ -77,19 +86,18 @@ def test_trtllm_prefill_and_decode_carry_disaggregated_params(mode, params):
 
 @pytest.mark.parametrize("mode", [Mode.PREFILL, Mode.DECODE])
 def test_sglang_prefill_and_decode_carry_the_fake_transfers_bootstrap(mode):
-    p = plan(Backend.SGLANG, mode)
+    p = plan("sglang", mode)
     first, second = (p.request(None, f"canary-{n}").body for n in (1, 2))
     params = first["disaggregated_params"]
     assert params["bootstrap_host"] == FAKE_BOOTSTRAP_HOST
     assert params["bootstrap_port"] == 8998
     assert 0 <= params["bootstrap_room"] < 1 << 31  # an int32 in this proto
     assert second["disaggregated_params"]["bootstrap_room"] != params["bootstrap_room"]
-    assert "disaggregated_params" not in plan(Backend.SGLANG).request(None, "c").body
+    assert "disaggregated_params" not in plan("sglang").request(None, "c").body
 
 
 def test_an_encode_worker_gets_no_canary_over_grpc_and_says_so():
-    role = Role(Mode.ENCODE, ModelType.MULTIMODAL)
-    p = plan_canary(CanaryConfig(Backend.VLLM, role, Transport.GRPC, enabled=True))
+    p = plan("vllm", Mode.ENCODE, model_type="multimodal")
     assert p.enabled is False
     assert "no encode canary is known for vllm over grpc" in p.why
 
@@ -131,7 +139,7 @@ COMPLETE = {"complete": {"output_ids": [5, 6], "finish_reason": "length", "compl
     ],
 )
 def test_a_vllm_call_is_judged_whole(messages, problem):
-    p = plan(Backend.VLLM)
+    p = plan("vllm")
     request = p.request(None, "canary-1")
     result = judge(p, request, received(*messages))
     if problem is None:
@@ -142,7 +150,7 @@ def test_a_vllm_call_is_judged_whole(messages, problem):
 
 
 def test_trtllms_streamed_complete_is_cumulative_and_not_counted_twice():
-    p = plan(Backend.TRTLLM)
+    p = plan("trtllm")
     messages = (
         {"chunk": {"token_ids": [5]}},
         {"chunk": {"token_ids": [6]}},
@@ -156,10 +164,10 @@ def test_trtllms_streamed_complete_is_cumulative_and_not_counted_twice():
 @pytest.mark.parametrize(
     ("backend", "path", "body"),
     [
-        (Backend.VLLM, "/vllm.grpc.engine.VllmEngine/Abort", {"request_ids": ["canary-1"]}),
-        (Backend.TRTLLM, "/trtllm.TrtllmService/Abort", {"request_id": "canary-1"}),
+        ("vllm", "/vllm.grpc.engine.VllmEngine/Abort", {"request_ids": ["canary-1"]}),
+        ("trtllm", "/trtllm.TrtllmService/Abort", {"request_id": "canary-1"}),
         (
-            Backend.SGLANG,
+            "sglang",
             "/sglang.grpc.scheduler.SglangScheduler/Abort",
             {"request_id": "canary-1"},
         ),
@@ -173,87 +181,81 @@ def test_a_timed_out_canary_is_aborted_by_its_request_id(backend, path, body):
 
 
 def test_a_users_payload_is_aborted_only_by_its_own_request_id():
-    config = CanaryConfig(
-        Backend.VLLM,
-        Role(Mode.AGGREGATED, ModelType.TEXT),
-        Transport.GRPC,
-        True,
-        payload={"tokenized": {"input_ids": [1]}},
-    )
-    p = plan_canary(config)
+    p = plan("vllm", health_check_payload={"tokenized": {"input_ids": [1]}})
+    assert p.override is not None
     assert p.prober.abort(p.request(None, "canary-1")) is None
 
 
-def load(monkeypatch, **env: str) -> Settings:
-    for field in Settings.model_fields.values():
-        monkeypatch.delenv(str(field.validation_alias), raising=False)
-    for key, value in env.items():
-        monkeypatch.setenv(key, value)
-    return load_settings()
-
-
 @pytest.mark.parametrize(
-    ("env", "line"),
+    ("env", "line", "also"),
     [
         (
             GRPC | {"SIDECAR_ENGINE_URL": "http://127.0.0.1:8000"},
-            "SIDECAR_ENGINE_URL='http://127.0.0.1:8000': expected grpc://HOST:PORT with "
-            "SIDECAR_TRANSPORT=grpc",
+            "SIDECAR_ENGINE_URL='http://127.0.0.1:8000': expected grpc://HOST:PORT",
+            "with SIDECAR_TRANSPORT=grpc",
         ),
         (
             {"SIDECAR_ENGINE_URL": "grpc://127.0.0.1:50051"},
-            "SIDECAR_ENGINE_URL='grpc://127.0.0.1:50051': expected an http(s) URL "
-            "(SIDECAR_TRANSPORT=http",
+            "SIDECAR_ENGINE_URL='grpc://127.0.0.1:50051': expected an http(s) URL",
+            "SIDECAR_TRANSPORT=http",
         ),
         (
             GRPC | {"SIDECAR_ENGINE_URL": "grpc://127.0.0.1:50051/vllm.grpc.engine.VllmEngine"},
             "SIDECAR_ENGINE_URL='grpc://127.0.0.1:50051/vllm.grpc.engine.VllmEngine': expected",
+            "grpc://HOST:PORT",
         ),
         (
             GRPC | {"SIDECAR_BACKEND": "openai"},
             "SIDECAR_BACKEND='openai': expected one of vllm, sglang, trtllm with "
             "SIDECAR_TRANSPORT=grpc",
+            "",
         ),
         (
             {"SIDECAR_METRICS_URL": "http://127.0.0.1:8001"},
             "SIDECAR_METRICS_URL='http://127.0.0.1:8001': expected unset",
+            "with SIDECAR_TRANSPORT=grpc",
         ),
         (
             GRPC | {"SIDECAR_CANARY_PATH": "/generate"},
             "SIDECAR_CANARY_PATH='/generate': expected unset with SIDECAR_TRANSPORT=grpc",
+            "",
         ),
     ],
 )
-def test_the_grpc_configuration_is_refused_with_one_line(monkeypatch, env, line):
+def test_the_grpc_configuration_is_refused_with_one_line(monkeypatch, env, line, also):
+    """Each line names the variable, its value and what was expected (sidecar.config)."""
     with pytest.raises(ConfigError) as refused:
-        load(monkeypatch, **env)
+        settings_from(monkeypatch, **env)
     (said,) = refused.value.lines
     assert said.startswith(line), said
+    assert also in said, said
 
 
 def test_registration_is_the_servers_grpc_health_or_getmodelinfo(monkeypatch):
-    vllm = load(monkeypatch, **GRPC)
-    assert vllm.grpc_registration is not None
-    assert (vllm.grpc_registration.address, vllm.grpc_registration.service) == (
-        "127.0.0.1:50051",
-        "",
-    )
-    trtllm = load(monkeypatch, **GRPC, SIDECAR_BACKEND="trtllm")
-    assert trtllm.grpc_registration is None  # its GetModelInfo call (sidecar/wiring.py)
-    assert plan(Backend.TRTLLM).prober.registration_path == "/trtllm.TrtllmService/GetModelInfo"
+    vllm = blueprint_from(monkeypatch, **GRPC)
+    target = health_target(vllm.settings, prober_class(vllm.settings))
+    assert target is not None
+    assert (target.address, target.service) == ("127.0.0.1:50051", "")
+    assert vllm.route.checking.asked == "grpc.health.v1 Check('') at 127.0.0.1:50051"
+    trtllm = blueprint_from(monkeypatch, **GRPC, SIDECAR_BACKEND="trtllm")
+    # its GetModelInfo call (sidecar/transports/grpc/channel.py, RpcRegistration)
+    assert health_target(trtllm.settings, prober_class(trtllm.settings)) is None
+    assert trtllm.route.checking.asked == "gRPC /trtllm.TrtllmService/GetModelInfo"
+    assert plan("trtllm").prober.registration == "/trtllm.TrtllmService/GetModelInfo"
 
 
 def test_without_a_metrics_url_no_metrics_are_read_and_the_stall_rule_is_off(monkeypatch):
     """vLLM's gRPC server serves no metrics: the canary alone decides, --check-config and the
     probes promise no bound under load; SIDECAR_METRICS_URL (SGLang's side server) reads them."""
-    bare = load(monkeypatch, **GRPC)
-    assert bare.timing(True).metrics is None
+    bare = blueprint_from(monkeypatch, **GRPC)
+    assert bare.timing.metrics is None
+    assert not bare.metrics_read
     assert size(bare, 600).stall_to_notready is None
     assert "SIDECAR_METRICS_URL unset" in render_plan(bare)
     assert "Under load" not in render_probes(bare, 600)
     url = "http://127.0.0.1:30001"
-    side = load(monkeypatch, **GRPC, SIDECAR_BACKEND="sglang", SIDECAR_METRICS_URL=url)
-    assert side.timing(True).metrics is not None
+    side = blueprint_from(monkeypatch, **GRPC, SIDECAR_BACKEND="sglang", SIDECAR_METRICS_URL=url)
+    assert side.timing.metrics is not None
     assert size(side, 600).stall_to_notready is not None
     assert f"GET {url}/metrics every" in render_plan(side)
 
@@ -261,10 +263,8 @@ def test_without_a_metrics_url_no_metrics_are_read_and_the_stall_rule_is_off(mon
 NATIVE = "sglang.runtime.v1.SglangService"
 
 
-def native_plan(mode: Mode = Mode.AGGREGATED):
-    role = Role(mode, ModelType.TEXT)
-    config = CanaryConfig(Backend.SGLANG, role, Transport.GRPC, True, grpc_service=NATIVE)
-    return plan_canary(config)
+def native_plan(mode: Mode = Mode.AGGREGATED) -> CanaryPlan:
+    return plan("sglang", mode, grpc_service=NATIVE)
 
 
 def test_sglangs_native_service_takes_its_own_request():
@@ -276,7 +276,7 @@ def test_sglangs_native_service_takes_its_own_request():
     assert body["sampling_params"] == {"temperature": 0, "max_new_tokens": 2, "ignore_eos": True}
     assert body["disaggregated_params"]["bootstrap_host"] == FAKE_BOOTSTRAP_HOST
     assert body["disaggregated_params"]["bootstrap_room"] >= 0  # 64-bit in this service
-    assert p.prober.registration_path == f"/{NATIVE}/GetModelInfo"  # its grpc.health.v1: none
+    assert p.prober.registration == f"/{NATIVE}/GetModelInfo"  # its grpc.health.v1: none
     abort = p.prober.abort(p.request(None, "canary-1"))
     assert abort is not None
     assert (abort.path, abort.body) == (f"/{NATIVE}/Abort", {"rid": "canary-1"})
@@ -326,8 +326,8 @@ def test_a_native_sglang_call_is_judged_on_its_last_cumulative_message(messages,
 )
 def test_a_grpc_service_is_one_of_the_backends(monkeypatch, env, line):
     with pytest.raises(ConfigError) as refused:
-        load(monkeypatch, **env)
+        settings_from(monkeypatch, **env)
     (said,) = refused.value.lines
     assert said.startswith(line), said
-    ok = load(monkeypatch, **GRPC, SIDECAR_BACKEND="sglang", SIDECAR_GRPC_SERVICE=NATIVE)
-    assert plan_canary(ok.canary_config()).path == f"/{NATIVE}/Generate"
+    ok = blueprint_from(monkeypatch, **GRPC, SIDECAR_BACKEND="sglang", SIDECAR_GRPC_SERVICE=NATIVE)
+    assert ok.plan.path == f"/{NATIVE}/Generate"

@@ -18,12 +18,13 @@ import pytest
 from fakeengine import grpcengine
 from fakeengine.state import EngineConfig, EngineState
 from sidecar.core.evidence.result import Outcome
-from sidecar.probes import CanaryConfig, plan_canary
-from sidecar.probes.grpc.canary import GrpcCanary
-from sidecar.probes.role import Backend, Mode, ModelType, Role, Transport
-from sidecar.runtime.grpcengine import GrpcEngine, RpcRegistration
+from sidecar.probes.base import CanaryPlan
+from sidecar.probes.canary import Canary
 from sidecar.runtime.grpcregistration import GrpcRegistration
 from sidecar.runtime.grpctarget import GrpcTarget
+from sidecar.transports.grpc import SERVICES
+from sidecar.transports.grpc.channel import GrpcEngine, RpcRegistration
+from tests.support.configured import blueprint_of
 from tests.support.harness import LOOPBACK, base_env
 from tests.support.processes import free_port
 
@@ -31,11 +32,6 @@ pytestmark = pytest.mark.process
 
 TIMEOUT = 0.5  # the canary's deadline (conftest.FAST)
 WITHIN = 1.0  # how long the engine may take to show what a test waits for
-MODULES = {
-    "vllm": "smg_grpc_proto.vllm_engine_pb2",
-    "sglang": "smg_grpc_proto.sglang_scheduler_pb2",
-    "trtllm": "smg_grpc_proto.trtllm_service_pb2",
-}
 
 
 @contextlib.asynccontextmanager
@@ -55,7 +51,8 @@ async def serving(
     state = EngineState(config, loading_seconds=0.0)
     server = await grpcengine.start(state, LOOPBACK, 0)
     target = GrpcTarget(LOOPBACK, server.port, "")
-    engine = GrpcEngine(target, (MODULES[backend],), interval=0.1)
+    SERVICES[backend][0].messages()  # the backend's stubs, as the transport registers them
+    engine = GrpcEngine(target, interval=0.1)
     try:
         yield state, engine
     finally:
@@ -72,9 +69,21 @@ def run(scenario: Callable[[], Awaitable[None]]) -> None:
     asyncio.run(checked())
 
 
-def grpc_plan(backend: str, mode: str = "aggregated"):
-    role = Role(Mode(mode), ModelType.TEXT)
-    return plan_canary(CanaryConfig(Backend(backend), role, Transport.GRPC, enabled=True))
+def grpc_plan(backend: str, mode: str = "aggregated", **fields: object) -> CanaryPlan:
+    """The generate endpoint's plan over gRPC, canaries on, as the sidecar resolves it."""
+    return blueprint_of(
+        backend=backend,
+        disaggregation_mode=mode,
+        transport="grpc",
+        engine_url=f"grpc://{LOOPBACK}:50051",
+        health_check_enabled=True,
+        **fields,
+    ).plan
+
+
+def grpc_canary(engine: GrpcEngine, timeout: float) -> Canary:
+    """The canary probe over the gRPC channel, as the transport opens it."""
+    return Canary(engine, timeout=timeout, holds_on="call")
 
 
 def generated(state: EngineState) -> list[dict[str, Any]]:
@@ -98,7 +107,7 @@ def test_the_canary_passes_and_the_engine_got_the_roles_request(backend, mode):
 
     async def scenario() -> None:
         async with serving(backend, mode) as (state, engine):
-            probe = GrpcCanary(engine, timeout=1.0)
+            probe = grpc_canary(engine, timeout=1.0)
             result = await probe(plan, plan.request(None, "canary-1"), None)
             assert result.outcome is Outcome.SUCCESS, result.reason
             (seen,) = generated(state)
@@ -120,7 +129,7 @@ def test_trtllm_decode_without_disaggregated_params_is_a_rejection_in_the_engine
 
     async def scenario() -> None:
         async with serving("trtllm", "decode") as (_, engine):
-            result = await GrpcCanary(engine, timeout=1.0)(plan, plan.request(None, "c"), None)
+            result = await grpc_canary(engine, timeout=1.0)(plan, plan.request(None, "c"), None)
             assert (result.outcome, result.rejection) == (Outcome.ERROR, True)
             assert "INVALID_ARGUMENT: Disaggregated params are required for decode mode" in (
                 result.reason
@@ -138,7 +147,7 @@ def test_a_hung_engine_times_out_and_the_canary_is_aborted_and_released(backend)
     async def scenario() -> None:
         async with serving(backend) as (state, engine):
             state.update_faults({"hang_generation": True})
-            result = await GrpcCanary(engine, timeout=TIMEOUT)(
+            result = await grpc_canary(engine, timeout=TIMEOUT)(
                 plan, plan.request(None, "canary-9"), None
             )
             assert result.outcome is Outcome.TIMEOUT
@@ -164,7 +173,7 @@ def test_a_dead_engine_is_its_servers_status(backend, outcome):
     async def scenario() -> None:
         async with serving(backend) as (state, engine):
             state.update_faults({"dead": True})
-            result = await GrpcCanary(engine, timeout=1.0)(plan, plan.request(None, "c"), None)
+            result = await grpc_canary(engine, timeout=1.0)(plan, plan.request(None, "c"), None)
             assert result.outcome is outcome, result.reason
 
     run(scenario)
@@ -176,16 +185,16 @@ def test_registration_asks_grpc_health_or_getmodelinfo_and_sees_the_server_go():
             health = GrpcRegistration(
                 engine.target, timeout=1.0, interval=0.1, clock=asyncio.get_running_loop().time
             )
-            assert (await health()).outcome is Outcome.SUCCESS
+            assert (await health()).registration.outcome is Outcome.SUCCESS
             state.update_faults({"dead": True})
-            assert (await health()).outcome is Outcome.ERROR  # NOT_SERVING
+            assert (await health()).registration.outcome is Outcome.ERROR  # NOT_SERVING
             await health.aclose()
         async with serving("trtllm") as (_, engine):
             check = RpcRegistration(engine, "/trtllm.TrtllmService/GetModelInfo", timeout=1.0)
-            registered = await check()
+            registered = (await check()).registration
             assert registered.outcome is Outcome.SUCCESS, registered.reason
             assert registered.reason == "/trtllm.TrtllmService/GetModelInfo -> OK"
-        gone = await check()  # the server stopped: nothing accepts connections
+        gone = (await check()).registration  # the server stopped: nothing accepts connections
         assert gone.outcome is Outcome.REFUSED, gone.reason
         await engine.aclose()
 
@@ -231,13 +240,11 @@ def test_a_users_payload_is_mapped_onto_the_request_message():
         "tokenized": {"input_ids": [7, 8, 9]},
         "sampling_params": {"temperature": 0, "max_tokens": 3, "ignore_eos": True},
     }
-    role = Role(Mode.AGGREGATED, ModelType.TEXT)
-    config = CanaryConfig(Backend.VLLM, role, Transport.GRPC, True, payload=payload)
-    plan = plan_canary(config)
+    plan = grpc_plan("vllm", health_check_payload=payload)
 
     async def scenario() -> None:
         async with serving("vllm") as (state, engine):
-            result = await GrpcCanary(engine, timeout=1.0)(plan, plan.request(None, "c-1"), None)
+            result = await grpc_canary(engine, 1.0)(plan, plan.request(None, "c-1"), None)
             assert result.outcome is Outcome.SUCCESS, result.reason
             (seen,) = generated(state)
             assert seen["json"]["request_id"] == "users-own"
@@ -248,13 +255,11 @@ def test_a_users_payload_is_mapped_onto_the_request_message():
 
 
 def test_a_payload_that_does_not_fit_the_message_is_an_error_naming_the_field():
-    role = Role(Mode.AGGREGATED, ModelType.TEXT)
-    config = CanaryConfig(Backend.VLLM, role, Transport.GRPC, True, payload={"prompt": "hi"})
-    plan = plan_canary(config)
+    plan = grpc_plan("vllm", health_check_payload={"prompt": "hi"})
 
     async def scenario() -> None:
         async with serving("vllm") as (state, engine):
-            result = await GrpcCanary(engine, timeout=1.0)(plan, plan.request(None, "c-1"), None)
+            result = await grpc_canary(engine, 1.0)(plan, plan.request(None, "c-1"), None)
             assert result.outcome is Outcome.ERROR
             assert "cannot build the request" in result.reason
             assert "prompt" in result.reason

@@ -1,7 +1,7 @@
 """The canary over SGLang's native gRPC service (``--grpc-port``, ``sglang.runtime.v1.
 SglangService``, beside its HTTP server), on a real SGLang 0.5.23, in a private network
 namespace: SIDECAR_TRANSPORT=grpc with SIDECAR_GRPC_SERVICE naming the native service, the
-messages declared in ``sidecar/runtime/sglang_native_pb.py`` with 0.5.23's field numbers.
+messages declared in ``sidecar/transports/grpc/sglang_native_pb.py`` with 0.5.23's field numbers.
 
 Aggregated and decode (fake transfer: the canary's bootstrap_host 2.2.2.2) servers, each shared
 by its tests. What SGLang's own checks say beside the verdict: its grpc.health.v1 is
@@ -17,7 +17,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from sidecar.probes.grpc.sglang import NATIVE_SERVICE
+from sidecar.transports.grpc.sglang import NATIVE_SERVICE
 from tests.support.exposition import samples, total
 from tests.support.harness import LOOPBACK, Sidecar, wait_until
 from tests.support.netns import isolated  # noqa: F401  (the module's private network namespace)
@@ -53,7 +53,7 @@ class Native:
         import grpc
         from google.protobuf import descriptor_pool, message_factory
 
-        import sidecar.runtime.sglang_native_pb  # noqa: F401  (registers the messages)
+        import sidecar.transports.grpc.sglang_native_pb  # noqa: F401  (registers the messages)
 
         method = descriptor_pool.Default().FindMethodByName(f"{NATIVE_SERVICE}.HealthCheck")
         request = message_factory.GetMessageClass(method.input_type)

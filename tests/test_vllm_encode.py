@@ -20,8 +20,7 @@ from typing import Any
 
 import pytest
 
-from sidecar.probes import CanaryConfig, plan_canary
-from sidecar.probes.role import Backend, Mode, ModelType, Role
+from tests.support.configured import blueprint_of
 from tests.support.exposition import samples, total
 from tests.support.harness import Sidecar, wait_until
 from tests.support.processes import Shared, handed_over, spends
@@ -85,7 +84,12 @@ def nothing_stored(server: VllmEncoder, timeout: float) -> None:
 
 def canary_request(request_id: str) -> dict[str, Any]:
     """The body the sidecar sends an encoder, with ``request_id`` as its canary id."""
-    plan = plan_canary(CanaryConfig(Backend.VLLM, Role(Mode.ENCODE, ModelType.MULTIMODAL), True))
+    plan = blueprint_of(
+        backend="vllm",
+        disaggregation_mode="encode",
+        model_type="multimodal",
+        health_check_enabled=True,
+    ).plan
     return plan.request(MODEL, request_id).body
 
 

@@ -205,7 +205,14 @@ def _registered(c: _Changes, obs: Registered) -> None:
     after = apply_registration(before, _unusable(c, unit, obs.result), c.snap.policy)
     was, is_ = before.registration, after.registration
     if was.registered != is_.registered:
-        said = "registered" if is_.registered else "deregistered"
+        if is_.registered:
+            said = "registered"
+        elif is_.incarnation:
+            said = "deregistered"
+        else:  # never registered: it is coming, not going
+            said = "not reachable yet" if is_.gone or is_.last is None else "not registered yet"
+            if is_.last is not None and is_.last.outcome is Outcome.TIMEOUT:
+                said = "not reachable yet"
         c.say(f"{unit}: engine {said} ({is_.reason})", unit=unit)
     elif is_.note and is_.note != was.note:
         c.say(f"{unit}: {is_.reason}", unit=unit)

@@ -31,7 +31,7 @@ ENCODER = (
     "TensorRT-LLM's encoder (trtllm-serve encoder, POST /v1/multimodal_encoder, experimental) "
     "answers with CUDA IPC handles of the embeddings, kept for the worker that reads them; a "
     "canary's would never be read, and when the encoder frees them is not documented: no "
-    "canary, readiness follows registration"
+    "canary, readiness follows registration (DYN_HEALTH_CHECK_PAYLOAD gives it one)"
 )
 
 

@@ -14,6 +14,7 @@ import sys
 
 from sidecar import __version__
 from sidecar.config import ConfigError, Settings, check_names, names_set
+from sidecar.redact import RedactingFilter
 from sidecar.wiring import Blueprint, load, resolve
 
 EXIT_CONFIG = 2
@@ -69,6 +70,9 @@ def _configure_logging(settings: Settings) -> None:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    secrets = [s.get_secret_value() for s in (settings.engine_api_key, settings.control_token) if s]
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(RedactingFilter(secrets))
     logging.getLogger("httpx").setLevel(logging.WARNING)
     logging.getLogger("httpcore").setLevel(logging.WARNING)
 

@@ -113,9 +113,6 @@ def _stall_lines(b: Blueprint) -> list[str]:
     ]
 
 
-_NOT_ASKED = "the engine may serve no HTTP here: only a canary over its HTTP API would show it"
-
-
 def _lifecycle_lines(b: Blueprint) -> list[str]:
     s, plan = b.settings, b.plan
     api, reads = b.engine.api(plan.role), plan.reads
@@ -128,7 +125,7 @@ def _lifecycle_lines(b: Blueprint) -> list[str]:
             + ": asleep -> notready 'sleeping', live, no canary"
         )
     elif api.sleep_path:
-        sleep = f"sleep          not asked over {s.transport} ({_NOT_ASKED})"
+        sleep = f"sleep          not asked ({b.routes_off})"
     else:
         sleep = f"sleep          not detected ({s.backend} has no sleep-state route)"
     if reads.fault_path:
@@ -140,7 +137,7 @@ def _lifecycle_lines(b: Blueprint) -> list[str]:
             "proves it first"
         )
     elif api.fault_path:
-        faults = f"faults         not read over {s.transport} ({_NOT_ASKED})"
+        faults = f"faults         not read ({b.routes_off})"
     else:
         faults = f"faults         not read ({s.backend} over {s.transport} reports none)"
     if s.control_port is None:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from sidecar.config import Rule, Settings, env_name
+from sidecar.config import Rule, Settings
 from sidecar.core.vocabulary import Cause, Role
 from sidecar.engines.base import Canary, Engine, NoCanary
 from sidecar.probes.base import CanaryPlan, Prober, Reads
@@ -79,6 +79,9 @@ class Route:
     http_url: str | None  # where the engine's HTTP routes (its metrics among them) are read
     metrics_off: str | None = None  # why the engine's metrics are never read, else None
     unpinned: str | None = None  # why canaries are never pinned to a rank, else None
+    # Why the engine's own HTTP routes beside the canary (sleep, fault tolerance) are never
+    # asked over this transport, else None.
+    routes_off: str | None = None
 
 
 @dataclass(frozen=True)
@@ -137,19 +140,25 @@ class Transport(ABC):
         return ()
 
     def problems(self, s: Settings) -> list[str]:
-        """What the settings break of this transport's rules, when it is chosen."""
-        lines = []
-        if s.backend not in self.backends:
-            lines.append(
-                f"SIDECAR_BACKEND={s.backend!r}: expected one of {', '.join(self.backends)} "
-                f"with SIDECAR_TRANSPORT={self.name} ({self.backends_why})"
-            )
-        if self.grpc_url != s.engine_url.startswith("grpc:"):
-            lines.append(
-                f"{env_name('engine_url')}: expected {self.engine_url} with "
-                f"SIDECAR_TRANSPORT={self.name}"
-            )
-        return lines + [rule.line(s) for rule in self.rules() if rule.broken(s)]
+        """What the settings break of this transport's rules, when it is chosen: the backends
+        it reaches, the engine URL's scheme, then its own rules."""
+        rules = (
+            Rule(
+                "backend",
+                lambda s: s.backend not in self.backends,
+                lambda s: (
+                    f"one of {', '.join(self.backends)} with SIDECAR_TRANSPORT={self.name} "
+                    f"({self.backends_why})"
+                ),
+            ),
+            Rule(
+                "engine_url",
+                lambda s: self.grpc_url != s.engine_url.startswith("grpc:"),
+                lambda s: f"{self.engine_url} with SIDECAR_TRANSPORT={self.name}",
+            ),
+            *self.rules(),
+        )
+        return [rule.line(s) for rule in rules if rule.broken(s)]
 
     @abstractmethod
     def route(self, s: Settings, engine: Engine, role: Role, rule: Canary | NoCanary) -> Route:

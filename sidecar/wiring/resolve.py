@@ -56,6 +56,7 @@ class Blueprint:
     ranks: int | Literal["auto"]  # the data-parallel ranks as they apply
     causes: tuple[Cause, ...]  # the liveness clocks that can run
     metrics_off: str | None  # why the engine's metrics are not read (None: they are)
+    routes_off: str | None  # why the engine's sleep and fault routes are not asked (None: are)
     stall_off: str | None  # why the stall rule cannot run (None: it can)
     said: Said
     missing: tuple[str, ...]  # what this machine lacks to start it (an extra, a directory)
@@ -174,10 +175,14 @@ def resolve(s: Settings) -> Blueprint:
         enabled=s.health_check_enabled,
         payload=s.health_check_payload,
     )
+    routes_off = route.routes_off
     if not (route.checking.http or plan.enabled):
         # Registered without a canary over a check that is not HTTP: the engine may serve no HTTP
         # at all (vLLM's gRPC server does not), and only a canary would show that it does.
         plan = replace(plan, reads=replace(plan.reads, sleep_path=None, fault_path=None))
+        routes_off = routes_off or (
+            f"registered by {route.checking.asked} without a canary: the engine may serve no HTTP"
+        )
     plans = {GENERATE: plan}
     if s.kv_peer_url is not None:
         plans[KV_TRANSFER] = plan_transfer_probe(
@@ -203,6 +208,7 @@ def resolve(s: Settings) -> Blueprint:
         ranks=ranks,
         causes=_causes(plan, route, stall_off),
         metrics_off=metrics_off,
+        routes_off=routes_off,
         stall_off=stall_off,
         said=transport.said(s, plan, route),
         missing=missing_here(s, transport),

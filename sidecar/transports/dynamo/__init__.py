@@ -116,6 +116,7 @@ class Dynamo(Transport):
             checking,
             http_url=s.engine_url,
             unpinned="a Dynamo worker's ranks are not pinned over its request plane",
+            routes_off="a Dynamo worker's engine serves no HTTP API of its own",
         )
 
     def said(self, s: Settings, plan: CanaryPlan, route: Route) -> Said:

@@ -137,6 +137,7 @@ class Grpc(Transport):
             if s.metrics_url is not None
             else ("SIDECAR_METRICS_URL unset: the gRPC server serves none, as vLLM's does"),
             unpinned="canaries over gRPC are not pinned to a rank",
+            routes_off="over gRPC the engine may serve no HTTP at all",
         )
 
     def said(self, s: Settings, plan: CanaryPlan, route: Route) -> Said:

@@ -79,6 +79,7 @@ class OpenEngine(Transport):
             checking,
             http_url=None,
             unpinned="canaries over OpenEngine are not pinned to a rank",
+            routes_off="an OpenEngine server serves no HTTP",
         )
 
     def said(self, s: Settings, plan: CanaryPlan, route: Route) -> Said:
