@@ -238,7 +238,7 @@ def test_registration_is_the_servers_grpc_health_or_getmodelinfo(monkeypatch):
     assert (target.address, target.service) == ("127.0.0.1:50051", "")
     assert vllm.route.checking.asked == "grpc.health.v1 Check('') at 127.0.0.1:50051"
     trtllm = blueprint_from(monkeypatch, **GRPC, SIDECAR_BACKEND="trtllm")
-    # its GetModelInfo call (sidecar/transports/grpc/channel.py, RpcRegistration)
+    # its GetModelInfo call (sidecar/runtime/grpcchannel.py, RpcRegistration)
     assert health_target(trtllm.settings, prober_class(trtllm.settings)) is None
     assert trtllm.route.checking.asked == "gRPC /trtllm.TrtllmService/GetModelInfo"
     assert plan("trtllm").prober.registration == "/trtllm.TrtllmService/GetModelInfo"

@@ -23,7 +23,7 @@ from sidecar.probes.canary import Canary
 from sidecar.runtime.grpcregistration import GrpcRegistration
 from sidecar.runtime.grpctarget import GrpcTarget
 from sidecar.transports.grpc import SERVICES
-from sidecar.transports.grpc.channel import GrpcEngine, RpcRegistration
+from sidecar.runtime.grpcchannel import GrpcEngine, RpcRegistration
 from tests.support.configured import blueprint_of
 from tests.support.harness import LOOPBACK, base_env
 from tests.support.processes import free_port
