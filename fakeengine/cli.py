@@ -24,6 +24,8 @@ from fakeengine.state import (
     DEFAULT_TRANSFER_BACKEND,
     MODES,
     NIXL_HANDSHAKE_TIMEOUT,
+    OPENENGINE_LOAD_STALE_SECONDS,
+    OPENENGINE_PROBE_TIMEOUT,
     SGLANG_HEALTH_CHECK_TIMEOUT,
     TRANSFER_BACKENDS,
     EngineConfig,
@@ -148,6 +150,32 @@ def build_parser() -> argparse.ArgumentParser:
         "not for --mode encode. Needs smg-grpc-proto (the grpc extra); see "
         "fakeengine/grpcengine.py",
     )
+    parser.add_argument(
+        "--grpc-service",
+        choices=grpcengine.GRPC_SERVICES,
+        default="smg",
+        help="with --grpc-port: smg (default) serves the backend's SMG service above; "
+        "openengine serves openengine.v1.Inference and openengine.v1.Control instead, as "
+        "TensorRT-LLM's OpenEngine server does (schema v0.1.0; any of vllm, sglang, trtllm; see "
+        "fakeengine/grpc_openengine.py)",
+    )
+    parser.add_argument(
+        "--openengine-probe-timeout",
+        type=_positive,
+        default=OPENENGINE_PROBE_TIMEOUT,
+        metavar="SECONDS",
+        help="--grpc-service openengine: the timeout of Health's inference probe (DEGRADED "
+        f"after it); TensorRT-LLM's is {OPENENGINE_PROBE_TIMEOUT:g} s",
+    )
+    parser.add_argument(
+        "--openengine-load-stale",
+        type=_positive,
+        default=OPENENGINE_LOAD_STALE_SECONDS,
+        metavar="SECONDS",
+        help="--grpc-service openengine: GetLoad answers UNAVAILABLE (its load sample stale) "
+        "when requests run and the engine made no step for longer; TensorRT-LLM's is "
+        f"{OPENENGINE_LOAD_STALE_SECONDS:g} s",
+    )
     parser.add_argument("--port-file", type=Path, help="write the bound port here (atomically)")
     parser.add_argument("--log-level", choices=LOG_LEVELS, default="warning")
     return parser
@@ -167,9 +195,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--ec-storage-path exists only for --backend vllm --mode encode")
     if args.grpc_health_port is not None and args.backend != "vllm":
         parser.error("--grpc-health-port exists only for --backend vllm")
-    grpc_refusal = grpcengine.check_supported(args.backend, args.mode)
+    grpc_refusal = grpcengine.check_supported(args.backend, args.mode, args.grpc_service)
     if args.grpc_port is not None and grpc_refusal is not None:
         parser.error(grpc_refusal)
+    if args.grpc_service != "smg" and args.grpc_port is None:
+        parser.error(f"--grpc-service {args.grpc_service} needs --grpc-port")
     if args.disaggregation_transfer_backend is not None and args.backend != "sglang":
         parser.error("--disaggregation-transfer-backend exists only for --backend sglang")
     transfer_backend = args.disaggregation_transfer_backend or DEFAULT_TRANSFER_BACKEND
@@ -202,6 +232,8 @@ async def _run(args: argparse.Namespace) -> int:
         health_check_timeout=args.health_check_timeout,
         transfer_backend=args.disaggregation_transfer_backend,
         ec_storage_path=args.ec_storage_path,
+        openengine_probe_timeout=args.openengine_probe_timeout,
+        openengine_load_stale_seconds=args.openengine_load_stale,
     )
     state = EngineState(config, loading_seconds=0.0 if binds_after_loading else args.load_seconds)
     server = _EngineServer(
@@ -245,7 +277,9 @@ async def _run(args: argparse.Namespace) -> int:
     grpc_engine = None
     if args.grpc_port is not None:
         try:
-            grpc_engine = await grpcengine.start(state, args.host, args.grpc_port)
+            grpc_engine = await grpcengine.start(
+                state, args.host, args.grpc_port, args.grpc_service
+            )
         except (ImportError, RuntimeError) as exc:
             print(f"fakeengine: cannot serve gRPC generation: {exc}", file=sys.stderr)
             if grpc_server is not None:

@@ -1,4 +1,5 @@
-"""The engines' gRPC generation services, faked (``--grpc-port``), one per backend.
+"""The engines' gRPC generation services, faked (``--grpc-port``), one per backend, or
+OpenEngine's (``--grpc-service openengine``, any of the three backends: ``grpc_openengine.py``).
 
 Each speaks the service the real engine runs for SGLang Model Gateway, with the field's own
 generated stubs (``smg_grpc_proto`` 0.4.28, imported on first use: the fake runs without the
@@ -42,6 +43,11 @@ Rules every service shares:
 - Loading: a Generate queues until the model is loaded, as on the HTTP side (vLLM and TRT-LLM open
   no port while loading in the process: see ``cli.py``).
 - ``--mode encode`` has no gRPC generation service here (:func:`start` refuses it).
+- ``--grpc-service`` (:data:`GRPC_SERVICES`): ``smg``, the default, serves the backend's SMG
+  service above; ``openengine`` serves ``openengine.v1.Inference`` and ``openengine.v1.Control``
+  instead, as TensorRT-LLM's OpenEngine server does (no grpc.health.v1 beside them; see
+  ``fakeengine/grpc_openengine.py``, which imports the sidecar's declarations of the messages,
+  only when asked for).
 
 Not modelled: vLLM's NIXL ``kv_transfer_params(_json)`` (ignored: a P/D request runs locally) and
 sleep mode; logprobs, n > 1, stop strings (every answer finishes "length"); the other RPCs of
@@ -62,7 +68,7 @@ from fakeengine.grpc_vllm import VllmServicer
 from fakeengine.grpchealth import FakeVllmHealth
 from fakeengine.state import EngineState
 
-__all__ = ["GRACE", "SERVICERS", "GrpcEngine", "check_supported", "start"]
+__all__ = ["GRACE", "GRPC_SERVICES", "SERVICERS", "GrpcEngine", "check_supported", "start"]
 
 # ------------------------------------------------------------------------------------ server
 
@@ -71,6 +77,8 @@ SERVICERS: dict[str, type[Servicer]] = {
     "trtllm": TrtllmServicer,
     "sglang": SglangServicer,
 }
+#: ``--grpc-service``: the backend's SMG service, or OpenEngine's two.
+GRPC_SERVICES = ("smg", "openengine")
 
 
 @dataclass
@@ -89,8 +97,11 @@ class GrpcEngine:
         await self.servicer.close()
 
 
-def check_supported(backend: str, mode: str) -> str | None:
-    """Why the fake serves no gRPC generation for this backend and mode, or None."""
+def check_supported(backend: str, mode: str, service: str = "smg") -> str | None:
+    """Why the fake serves no gRPC generation for this backend, mode and service, or None (the
+    OpenEngine service is served for the same backends and modes as the SMG ones)."""
+    if service not in GRPC_SERVICES:
+        return f"--grpc-service {service}: not one of {', '.join(GRPC_SERVICES)}"
     if backend not in SERVICERS:
         return f"--grpc-port: no gRPC generation service for --backend {backend}"
     if mode == "encode":
@@ -98,19 +109,26 @@ def check_supported(backend: str, mode: str) -> str | None:
     return None
 
 
-async def start(state: EngineState, host: str, port: int) -> GrpcEngine:
-    """Serve the backend's gRPC generation service on host:port (0: the OS picks; the bound port
-    is the answer's ``port``). vLLM's and SGLang's servers also serve grpc.health.v1. Raises
-    ValueError for a backend or mode without one, ImportError without smg_grpc_proto,
-    RuntimeError when the port cannot be bound (no SO_REUSEPORT: a taken port fails)."""
+async def start(state: EngineState, host: str, port: int, service: str = "smg") -> GrpcEngine:
+    """Serve the backend's gRPC generation service (``service`` "smg"), or OpenEngine's
+    ("openengine"), on host:port (0: the OS picks; the bound port is the answer's ``port``).
+    vLLM's and SGLang's SMG servers also serve grpc.health.v1. Raises ValueError for a backend,
+    mode or service without one, ImportError without smg_grpc_proto (SMG), RuntimeError when the
+    port cannot be bound (no SO_REUSEPORT: a taken port fails)."""
     config = state.config
-    refusal = check_supported(config.backend, config.mode)
+    refusal = check_supported(config.backend, config.mode, service)
     if refusal is not None:
         raise ValueError(refusal)
-    servicer = SERVICERS[config.backend](state)
+    servicer: Servicer
+    if service == "openengine":
+        from fakeengine.grpc_openengine import OpenEngineServicer  # the sidecar's declarations
+
+        servicer = OpenEngineServicer(state)
+    else:
+        servicer = SERVICERS[config.backend](state)
     server = grpc.aio.server(options=(("grpc.so_reuseport", 0),))
     server.add_generic_rpc_handlers((servicer.handler(),))
-    if config.backend in ("vllm", "sglang"):  # both servicers serve grpc.health.v1 beside it
+    if service == "smg" and config.backend in ("vllm", "sglang"):  # grpc.health.v1 beside it
         services = ("", servicer.service)
         health_pb2_grpc.add_HealthServicer_to_server(FakeVllmHealth(state, services), server)
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

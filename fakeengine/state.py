@@ -55,6 +55,11 @@ SGLANG_HEALTH_CHECK_TIMEOUT = 20.0
 DEFAULT_TRANSFER_BACKEND: TransferBackend = "mooncake"
 PREFILL_CHUNK_SECONDS = 0.25
 PREFILL_CHUNK_TOKENS = 512  # what a chunked prefill's step adds to the prompt-token counter
+#: TensorRT-LLM's OpenEngine server: its Health inference probe's timeout
+#: (_INFERENCE_PROBE_TIMEOUT_SECONDS), and the age past which GetLoad calls its scheduler's load
+#: sample stale while requests are active (_MAX_ACTIVE_LOAD_AGE_SECONDS).
+OPENENGINE_PROBE_TIMEOUT = 30.0
+OPENENGINE_LOAD_STALE_SECONDS = 30.0
 
 _VOCAB = ("the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "again")
 
@@ -149,6 +154,10 @@ class EngineConfig:
     # vLLM encode mode: ECExampleConnector's shared_storage_path, where each encoded item goes
     # (<item hash>/encoder_cache.safetensors); None: encoded items are written nowhere.
     ec_storage_path: str | None = None
+    # The OpenEngine service (--grpc-service openengine): its Health probe's timeout, and how long
+    # the engine may make no step while requests run before GetLoad answers UNAVAILABLE (stale).
+    openengine_probe_timeout: float = OPENENGINE_PROBE_TIMEOUT
+    openengine_load_stale_seconds: float = OPENENGINE_LOAD_STALE_SECONDS
 
 
 @dataclass
@@ -314,9 +323,13 @@ class EngineState:
         # Tokens generated so far on any rank, and an event set at the next one.
         self.outputs = 0
         self._output = asyncio.Event()
+        self.last_output_at = time.monotonic()  # when the last token was generated on any rank
         # Generations running now, by request id (an abort by id finds them here).
         self.jobs: dict[str, Job] = {}
         self.grpc_checks = 0  # grpc.health.v1 Checks answered (--grpc-health-port)
+        # KV sessions a context-only request left pinned (OpenEngine's PrefillReady) until a
+        # decode leg takes them: nothing else frees them while the process lives.
+        self.pinned_kv_sessions: set[str] = set()
 
     # -- data-parallel ranks ---------------------------------------------------------------------
 
@@ -403,6 +416,7 @@ class EngineState:
 
     def _note_output(self) -> None:
         self.outputs += 1
+        self.last_output_at = time.monotonic()
         self._output.set()
         self._output = asyncio.Event()
 
@@ -644,6 +658,7 @@ class EngineState:
             },
             "pid": self.pid,
             "grpc_checks": self.grpc_checks,
+            "pinned_kv_sessions": len(self.pinned_kv_sessions),
             "dp_size": self.dp_size,
             "ranks": [self._rank_snapshot(rank) for rank in self.ranks],
         }

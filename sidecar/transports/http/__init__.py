@@ -15,6 +15,7 @@ from dataclasses import replace
 from sidecar.config import Settings
 from sidecar.core.evidence.result import Result
 from sidecar.core.vocabulary import Cause, Mode, Role
+from sidecar.engines import ENGINES
 from sidecar.engines.base import Canary, Engine, NoCanary
 from sidecar.probes.base import CanaryPlan, Reads
 from sidecar.probes.exchange import Checked
@@ -28,7 +29,8 @@ from sidecar.transports.http.trtllm import TrtllmProber
 from sidecar.transports.http.vllm import VllmEncoderProber, VllmProber
 from sidecar.transports.seam import Checking, Opened, Opening, Route, Said, Transport, shown_body
 
-#: Each backend's prober, and its encoder's where it has one.
+#: Each backend's prober where its HTTP API has a dialect of its own, and its encoder's where it
+#: has one; any other engine is sent the plain OpenAI-compatible completion.
 PROBERS: dict[str, type[HttpProber]] = {
     "vllm": VllmProber,
     "sglang": SglangProber,
@@ -48,7 +50,7 @@ def prober_class(engine: Engine, role: Role) -> type[HttpProber]:
         and (role.encoder or engine.name == "sglang")
     ):
         return encoder
-    return PROBERS[engine.name]
+    return PROBERS.get(engine.name, OpenAIProber)
 
 
 class HttpRegistration:
@@ -67,7 +69,7 @@ class HttpRegistration:
         """Nothing of its own: the client is the wiring's."""
 
 
-def _route_path(s: Settings, engine: Engine, role: Role) -> tuple[str, bool]:
+def registration_route(s: Settings, engine: Engine, role: Role) -> tuple[str, bool]:
     """The registration route, and whether any answer below 500 will do."""
     api = engine.api(role)
     if s.registration_path is not None:
@@ -79,7 +81,7 @@ class Http(Transport):
     name = "http"
     summary = "the engine's own HTTP API at SIDECAR_ENGINE_URL (the default)"
     engine_url = "an http(s) URL with a host and no query"
-    backends = tuple(PROBERS)
+    backends = tuple(ENGINES)  # each by its dialect, or as an OpenAI-compatible server
     transfer_probe = True
 
     def route(self, s: Settings, engine: Engine, role: Role, rule: Canary | NoCanary) -> Route:
@@ -107,7 +109,7 @@ class Http(Transport):
                 http=False,
             )
         else:
-            path, any_status = _route_path(s, engine, role)
+            path, any_status = registration_route(s, engine, role)
             answers = "at all (any status below 500: it is up)" if any_status else "200"
             checking = Checking(f"GET {path}", answers)
         return Route(prober, reads, checking, http_url=s.engine_url)
@@ -141,7 +143,7 @@ class Http(Transport):
         canary = HttpCanary(
             o.client(s.engine_url),
             timeout=s.request_timeout,
-            answers=_route_path(s, o.plan.prober.engine, o.plan.role)[0],
+            answers=registration_route(s, o.plan.prober.engine, o.plan.role)[0],
             clock=o.clock,
             sweeper=o.sweeper,
         )
@@ -157,7 +159,7 @@ class Http(Transport):
             o.stack.push_async_callback(check.aclose)
             return Opened(canary, check)
         assert o.routes is not None
-        path, any_status = _route_path(s, o.plan.prober.engine, o.plan.role)
+        path, any_status = registration_route(s, o.plan.prober.engine, o.plan.role)
         return Opened(canary, HttpRegistration(o.routes, path, any_status=any_status))
 
 
