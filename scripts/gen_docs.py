@@ -417,6 +417,14 @@ def probes() -> str:
     return f"```yaml\n# $ {command}\n{text}\n```"
 
 
+def exit_statuses() -> str:
+    from sidecar.tools.exits import EXIT_STATUSES
+
+    rows = ["| status | means |", "|---|---|"]
+    rows += [f"| {code} | {_escape(text)} |" for code, text in EXIT_STATUSES.items()]
+    return "\n".join(rows)
+
+
 GRPC_PORT = "50051"  # the port of the probes-grpc example (and of Dynamo's gRPC probes, #14927)
 
 
@@ -441,6 +449,7 @@ GENERATORS: dict[str, Callable[[], str]] = {
     "rank-verdict": rank_verdict_doc,
     "rules": rules_table,
     "cli-help": cli_help,
+    "exit-statuses": exit_statuses,
     "check-config": check_config,
     "probes": probes,
     "probes-grpc": probes_grpc,

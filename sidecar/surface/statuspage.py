@@ -236,7 +236,8 @@ engine <code>{_e(about.engine_url)}</code>; page rendered {_e(iso(wall))}</p>
 {changes}
 <h2>Recent canaries</h2>
 <p class="muted">Newest first: {view.successes_kept} successes and {view.failures_kept}
-failures (the last {limits["successes"]} and the last {limits["failures"]} are kept).</p>
+failures (the last {limits["successes"]} successes and the last {limits["failures"]} failures
+are kept, apart: a run of successes never pushes a failure out).</p>
 {canaries}
 <p class="muted">{links}</p>
 </body></html>

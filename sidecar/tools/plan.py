@@ -12,11 +12,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from sidecar.core.verdict import RULE_TEXT, Rule
+from sidecar.tools.exits import EXIT_NOT_HERE
 from sidecar.wiring import Blueprint
-
-#: --check-config's exit status when the configuration is valid but this machine lacks what
-#: starting it needs (docs/reference/cli.md); serve exits with it too.
-EXIT_NOT_HERE = 3
 
 
 def headline(b: Blueprint) -> list[str]:
