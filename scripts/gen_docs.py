@@ -12,6 +12,7 @@ The sources, one for each fact:
 
 - ``settings``: the variables, from ``sidecar.config.Settings.model_fields`` (the values a
   backend, a transport or a gRPC service may take from the engines' and transports' tables);
+- ``engines``: each engine's module and HTTP API, from ``sidecar.engines.ENGINES``;
 - ``transports``: the transports, from ``sidecar.transports.TRANSPORTS``; ``role-canaries``: what
   each role's canary carries over each transport, from the probers' own bodies;
 - ``policy``: the timings, from ``sidecar.core.evidence.policy.Policy`` (its fields, and its
@@ -169,6 +170,33 @@ def transports_table() -> str:
             f"{', '.join(t.backends)} | {extra} | `{package}` |"
         )
     return "\n".join(rows)
+
+
+def engines_table() -> str:
+    """One row per engine: its module and its HTTP API's facts, from ``ENGINES``."""
+    from sidecar.core.vocabulary import Mode, Role
+    from sidecar.engines import ENGINES
+
+    rows = [
+        "| `SIDECAR_BACKEND` | engine | module | registration | metrics | per-step counters | "
+        "sleep | fault tolerance | rank pin |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, engine in ENGINES.items():
+        api = engine.api(Role(Mode.AGGREGATED))
+        module = "sidecar/engines/" + type(engine).__module__.rpartition(".")[2] + ".py"
+        steps = ", ".join(f"`{s}`" for s in api.progress.step_series()) or "none"
+        pin = f"{api.pin.how} (label `{api.pin.label}`)" if api.pin else "none"
+        rows.append(
+            f"| `{name}` | {engine.title} | `{module}` | `GET {api.registration_path}` | "
+            f"`{api.progress.path}` | {steps} | {_maybe(api.sleep_path)} | "
+            f"{_maybe(api.fault_path)} | {_escape(pin)} |"
+        )
+    return "\n".join(rows)
+
+
+def _maybe(path: str | None) -> str:
+    return f"`{path}`" if path else "none"
 
 
 # The roles whose canaries carry something, one row each: (row, backend, mode, model type).
@@ -443,6 +471,7 @@ GENERATORS: dict[str, Callable[[], str]] = {
     "settings": settings_table,
     "transports": transports_table,
     "role-canaries": role_canaries_table,
+    "engines": engines_table,
     "policy": policy_section,
     "verdict": verdict_doc,
     "liveness-clocks": liveness_clocks,

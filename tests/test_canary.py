@@ -10,10 +10,10 @@ from aiotools import VirtualClock
 from sidecar.config import Settings
 from sidecar.core.evidence.result import Outcome, Result
 from sidecar.probes.base import CanaryRequest
+from sidecar.probes.canary import Canary
 from sidecar.probes.exchange import Answer, NoAnswer, Received
-from sidecar.transports.http.canary import HttpCanary
 from sidecar.wiring import Blueprint, check, resolve
-from tests.support.configured import blueprint_from
+from tests.support.configured import answered_by, blueprint_from
 
 pytestmark = pytest.mark.unit
 
@@ -209,7 +209,12 @@ def test_a_kept_canary_is_the_only_one_sent_and_ends_with_its_probe(monkeypatch)
         with VirtualClock().patch_loop():
             engine = _FrozenServer()
             loop = asyncio.get_running_loop()
-            probe = HttpCanary(engine, timeout=0.05, answers=answers(blueprint), clock=loop.time)
+            probe = Canary(
+                engine,
+                timeout=0.05,
+                answers=answered_by(engine, answers(blueprint)),
+                clock=loop.time,
+            )
             results = [
                 await probe(plan, plan.request("tiny", f"canary-{n}"), "tiny") for n in range(3)
             ]
@@ -259,7 +264,7 @@ def test_a_timed_out_sglang_canary_is_aborted_by_rid_and_says_so(monkeypatch, st
     request = plan.request(None, "canary-1")
 
     async def main() -> Result:
-        return await HttpCanary(engine, timeout=0.05, answers=answers(blueprint))(
+        return await Canary(engine, timeout=0.05, answers=answered_by(engine, answers(blueprint)))(
             plan, request, None
         )
 

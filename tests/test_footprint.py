@@ -17,9 +17,8 @@ pytestmark = pytest.mark.process
 
 LOADED = """
 import json, sys
-from sidecar.config import load_settings
-from sidecar.wiring import build
-side = build(load_settings())
+from sidecar.wiring import build, load, resolve
+side = build(resolve(load()))
 names = ("grpc", "grpc_health", "dynamo.runtime", "google.protobuf", "smg_grpc_proto")
 print(json.dumps({m: m in sys.modules for m in names}))
 """
@@ -64,6 +63,13 @@ def test_the_grpc_transports_stubs_wait_for_the_monitor():
         "SIDECAR_ENGINE_URL": "grpc://127.0.0.1:50051",
     }
     assert loaded(grpc)["smg_grpc_proto"] is False
+    openengine = {
+        "DYN_HEALTH_CHECK_ENABLED": "true",
+        "SIDECAR_TRANSPORT": "openengine",
+        "SIDECAR_BACKEND": "trtllm",
+        "SIDECAR_ENGINE_URL": "grpc://127.0.0.1:50051",
+    }
+    assert loaded(openengine)["google.protobuf"] is False  # its declarations: the monitor's
     http = loaded({"DYN_HEALTH_CHECK_ENABLED": "true"})
     assert http["google.protobuf"] is False
     assert http["smg_grpc_proto"] is False

@@ -20,10 +20,10 @@ from fakeengine.state import EngineConfig, EngineState
 from sidecar.core.evidence.result import Outcome
 from sidecar.probes.base import CanaryPlan
 from sidecar.probes.canary import Canary
+from sidecar.runtime.grpcchannel import GrpcEngine, RpcRegistration
 from sidecar.runtime.grpcregistration import GrpcRegistration
 from sidecar.runtime.grpctarget import GrpcTarget
 from sidecar.transports.grpc import SERVICES
-from sidecar.runtime.grpcchannel import GrpcEngine, RpcRegistration
 from tests.support.configured import blueprint_of
 from tests.support.harness import LOOPBACK, base_env
 from tests.support.processes import free_port

@@ -133,13 +133,15 @@ def test_every_path_the_docs_name_exists() -> None:
 
 @pytest.mark.unit
 def test_the_docs_name_every_transports_package_and_every_engine() -> None:
-    """The transports' table (generated from TRANSPORTS) names each one's package, which holds
-    it; the code map names every engine's module."""
+    """The transports' table (generated from TRANSPORTS) names each one's package, and the
+    engines' table (generated from ENGINES) each one's module, which hold them."""
     table = (ROOT / "docs/concepts/transports.md").read_text(encoding="utf-8")
     for name, transport in TRANSPORTS.items():
         package = "sidecar/transports/" + type(transport).__module__.rpartition(".")[2] + "/"
         assert (ROOT / package / "__init__.py").is_file(), name
         assert f"`{package}`" in table, name
-    text = (ROOT / "docs/develop/architecture.md").read_text(encoding="utf-8")
-    for name in ENGINES:
-        assert f"`{name}.py`" in text, name
+    engines = (ROOT / "docs/concepts/backends.md").read_text(encoding="utf-8")
+    for name, engine in ENGINES.items():
+        module = "sidecar/engines/" + type(engine).__module__.rpartition(".")[2] + ".py"
+        assert (ROOT / module).is_file(), name
+        assert f"`{module}`" in engines, name

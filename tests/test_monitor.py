@@ -20,15 +20,15 @@ from sidecar.core.evidence.result import Outcome, Result
 from sidecar.core.observations import MaintenanceDeclared
 from sidecar.core.verdict import Cause
 from sidecar.probes.base import CanaryRequest
+from sidecar.probes.canary import Canary
 from sidecar.probes.exchange import Answer, NoAnswer, Received
+from sidecar.runtime.engine import RouteRegistration
 from sidecar.runtime.health import Health, liveness_of, readiness_of
 from sidecar.runtime.monitor import EngineParts, Monitor
 from sidecar.surface.metrics import Metrics
 from sidecar.tools.probes import size
-from sidecar.transports.http import HttpRegistration
-from sidecar.transports.http.canary import HttpCanary
 from sidecar.wiring import Blueprint, health_for, resolve
-from tests.support.configured import blueprint_from
+from tests.support.configured import answered_by, blueprint_from
 from tests.support.exposition import metric
 
 pytestmark = pytest.mark.unit
@@ -143,8 +143,13 @@ def run_virtually(
             engine = ScriptedEngine(s.request_timeout)
             api = b.engine.api(b.plan.role)
             path = s.registration_path or api.registration_path
-            canary = HttpCanary(engine, timeout=s.request_timeout, answers=path, clock=loop.time)
-            registration = HttpRegistration(
+            canary = Canary(
+                engine,
+                timeout=s.request_timeout,
+                answers=answered_by(engine, path),
+                clock=loop.time,
+            )
+            registration = RouteRegistration(
                 engine,  # type: ignore[arg-type]
                 path,
                 any_status=s.registration_path is None and api.registered_by_any_answer,

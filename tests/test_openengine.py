@@ -98,11 +98,21 @@ ENUMS: dict[tuple[str, str], int] = {
     **{
         ("ErrorCode", name): n
         for n, name in enumerate(
-            (
-                "UNSPECIFIED INVALID_ARGUMENT UNSUPPORTED_FEATURE ROLE_MISMATCH MODEL_NOT_FOUND "
-                "OVERLOADED REQUEST_NOT_FOUND DUPLICATE_REQUEST KV_SESSION_NOT_FOUND "
-                "KV_TRANSFER_FAILED CANCELLED DRAINING INTERNAL"
-            ).split()
+            [
+                "UNSPECIFIED",
+                "INVALID_ARGUMENT",
+                "UNSUPPORTED_FEATURE",
+                "ROLE_MISMATCH",
+                "MODEL_NOT_FOUND",
+                "OVERLOADED",
+                "REQUEST_NOT_FOUND",
+                "DUPLICATE_REQUEST",
+                "KV_SESSION_NOT_FOUND",
+                "KV_TRANSFER_FAILED",
+                "CANCELLED",
+                "DRAINING",
+                "INTERNAL",
+            ]
         )
     },
     ("HealthState", "UNSPECIFIED"): 0,
@@ -188,7 +198,8 @@ def test_trtllm_prefill_and_decode_run_the_canary_whole_locally(mode: str) -> No
     assert body["extra"] == {"request_type": "context_and_generation"}
     assert "kv" not in body
     assert body["stopping"] == {"max_tokens": 2, "ignore_eos": True}
-    assert body["model"] == "tiny" and body["request_id"] == "canary-1"
+    assert body["model"] == "tiny"
+    assert body["request_id"] == "canary-1"
     assert plan.path == "/openengine.v1.Inference/Generate"
 
 
@@ -258,8 +269,10 @@ def test_a_stream_is_judged_whole(events: tuple[Any, ...], outcome: Outcome, sai
 def test_an_error_event_that_refuses_the_request_is_a_rejection_not_a_hang() -> None:
     refused = _judged({"error": {"code": "ERROR_CODE_INVALID_ARGUMENT", "message": "no"}})
     failed = _judged({"error": {"code": "ERROR_CODE_INTERNAL", "message": "boom"}})
-    assert refused.rejected and not refused.server_error
-    assert failed.server_error and not failed.rejected
+    assert refused.rejected
+    assert not refused.server_error
+    assert failed.server_error
+    assert not failed.rejected
 
 
 # --- the registration check and the load report on a stub channel -------------------------------
@@ -324,9 +337,11 @@ def _load(answer: Any) -> tuple[str | None, str]:
 
 
 def test_the_load_report_is_read_as_an_exposition() -> None:
-    text, why = _load({"running_requests": 3, "instance_id": "x"})
+    text, _why = _load({"running_requests": 3, "instance_id": "x"})
     assert text is not None
-    assert f"{RUNNING} 3" in text and f"{STALE} 0" in text and QUEUED not in text
+    assert f"{RUNNING} 3" in text
+    assert f"{STALE} 0" in text
+    assert QUEUED not in text
 
 
 def test_a_stale_load_report_says_so_and_other_refusals_are_unreadable() -> None:
@@ -338,7 +353,8 @@ def test_a_stale_load_report_says_so_and_other_refusals_are_unreadable() -> None
     text, _ = _load(stale)
     assert text == f"{STALE} 1\n"
     text, why = _load(NoAnswer(Outcome.REFUSED, "failed to connect", status="UNAVAILABLE"))
-    assert text is None and "failed to connect" in why
+    assert text is None
+    assert "failed to connect" in why
 
 
 # --- what --check-config says -------------------------------------------------------------------

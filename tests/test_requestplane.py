@@ -23,18 +23,18 @@ from sidecar.core.evidence.policy import Policy
 from sidecar.core.evidence.progress import MetricsUnreadable
 from sidecar.core.evidence.result import Outcome, Result
 from sidecar.core.verdict import Cause, clocks, decide_liveness, endpoint_verdict, engine_undersells
-from sidecar.probes import plan_canary
-from sidecar.probes.dynamo import HEALTH_CHECK_KEY
-from sidecar.probes.dynamo.base import stream_problem
-from sidecar.runtime.requestplane.client import classify, url_safe
-from sidecar.runtime.requestplane.environment import client_environment
-from sidecar.runtime.requestplane.identity import (
+from sidecar.transports.dynamo import plane_config
+from sidecar.transports.dynamo.base import HEALTH_CHECK_KEY, stream_problem
+from sidecar.transports.dynamo.client import classify, url_safe
+from sidecar.transports.dynamo.environment import client_environment
+from sidecar.transports.dynamo.identity import (
     Instance,
     instances_in_metadata,
     instances_in_metrics,
     pick,
 )
-from sidecar.runtime.requestplane.runtimelog import level_of
+from sidecar.transports.dynamo.runtimelog import level_of
+from sidecar.wiring import resolve
 
 pytestmark = pytest.mark.unit
 
@@ -236,7 +236,7 @@ def test_the_runtime_sees_only_what_a_client_needs():
         "ETCD_ENDPOINTS": "http://127.0.0.1:2379",
     }
     env = client_environment(
-        settings(DYN_DISCOVERY_BACKEND="file").plane_config(), environ, file_kv="/srv/kv"
+        plane_config(settings(DYN_DISCOVERY_BACKEND="file")), environ, file_kv="/srv/kv"
     )
     assert env == {
         "PATH": "/usr/bin",
@@ -256,11 +256,11 @@ def test_the_runtime_sees_only_what_a_client_needs():
 
 def test_a_users_runtime_variables_win_over_the_defaults():
     environ = {"DYN_TCP_RESPONSE_STREAM_HOST": "10.0.0.7", "DYN_LOG": "debug"}
-    env = client_environment(settings(SIDECAR_LOG_LEVEL="DEBUG").plane_config(), environ)
+    env = client_environment(plane_config(settings(SIDECAR_LOG_LEVEL="DEBUG")), environ)
     assert env["DYN_TCP_RESPONSE_STREAM_HOST"] == "10.0.0.7"
     assert env["DYN_LOG"] == "debug"
     assert (
-        client_environment(settings(SIDECAR_LOG_LEVEL="DEBUG").plane_config(), {})["DYN_LOG"]
+        client_environment(plane_config(settings(SIDECAR_LOG_LEVEL="DEBUG")), {})["DYN_LOG"]
         == "info"
     )
 
@@ -283,9 +283,7 @@ def test_the_runtimes_lines_are_debug_but_its_errors(line, level):
 
 # --- payloads per backend and role ------------------------------------------------------------------  # noqa: E501
 def payload(backend: str, mode: str, **env: str) -> dict:
-    plan = plan_canary(
-        settings(SIDECAR_BACKEND=backend, SIDECAR_DISAGGREGATION_MODE=mode, **env).canary_config()
-    )
+    plan = resolve(settings(SIDECAR_BACKEND=backend, SIDECAR_DISAGGREGATION_MODE=mode, **env)).plan
     assert plan.enabled, plan.why
     return plan.request(None, "canary-1").body
 
@@ -322,13 +320,13 @@ def test_every_role_gets_the_payload_its_dynamo_handler_needs(backend, mode):
 
 
 def test_an_encode_worker_gets_no_dynamo_canary_but_a_payload_gives_it_one():
-    plan = plan_canary(settings(SIDECAR_DISAGGREGATION_MODE="encode").canary_config())
+    plan = resolve(settings(SIDECAR_DISAGGREGATION_MODE="encode")).plan
     assert not plan.enabled
-    given = plan_canary(
+    given = resolve(
         settings(
             SIDECAR_DISAGGREGATION_MODE="encode", DYN_HEALTH_CHECK_PAYLOAD='{"token_ids": [1]}'
-        ).canary_config()
-    )
+        )
+    ).plan
     assert given.enabled
 
 
@@ -476,13 +474,13 @@ def test_a_new_instance_is_a_new_incarnation_and_a_timeout_keeps_the_old_one():
 
 def test_the_workers_own_503_is_shown_beside_a_ready_verdict_and_never_gates():
     ep = apply_canary(worker(), ok(0.5), 1, POLICY)
-    ep = apply_engine_health(ep, 503, "notready", "GET /health -> 503 (notready)", 0.6)
+    ep = apply_engine_health(ep, False, "notready", "GET /health -> 503 (notready)", 0.6, 503)
     verdict = endpoint_verdict(ep, POLICY, 1.0)
     assert verdict.ready is True
     assert verdict.reason.endswith(
         "; the worker's own health route says GET /health -> 503 (notready)"
     )
     assert engine_undersells(ep)
-    agrees = apply_engine_health(ep, 200, "ready", "GET /health -> 200 (ready)", 0.7)
+    agrees = apply_engine_health(ep, True, "ready", "GET /health -> 200 (ready)", 0.7, 200)
     assert not engine_undersells(agrees)
     assert endpoint_verdict(agrees, POLICY, 1.0).reason == "canary passed in 10 ms"

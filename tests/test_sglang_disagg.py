@@ -18,9 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from sidecar.config import Mode, ModelType
-from sidecar.probes.base import Role
-from sidecar.probes.sglang import SglangProber
+from tests.support.configured import blueprint_of
 from tests.support.harness import wait_until
 from tests.support.netns import isolated  # noqa: F401  (the module's private network namespace)
 from tests.support.processes import Shared, handed_over, spends
@@ -37,8 +35,8 @@ pytestmark = pytest.mark.engine
 
 def role_body(mode: str) -> dict[str, Any]:
     """The body this project's SGLang prober sends in ``mode``."""
-    body, _ = SglangProber().body(Role(Mode(mode), ModelType.TEXT), None, "canary-probe")
-    return body
+    plan = blueprint_of(backend="sglang", disaggregation_mode=mode, health_check_enabled=True).plan
+    return plan.request(None, "canary-probe").body
 
 
 @pytest.fixture(scope="module")

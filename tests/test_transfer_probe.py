@@ -8,7 +8,6 @@ from dataclasses import replace
 
 import pytest
 
-from sidecar.config import StartingStatus
 from sidecar.core.endpoint import (
     EndpointState,
     apply_canary,
@@ -21,6 +20,7 @@ from sidecar.core.evidence import lifecycle
 from sidecar.core.evidence.result import Outcome, Result
 from sidecar.core.evidence.transfers import TransferSample
 from sidecar.core.verdict import Rule, Verdict, decide_readiness
+from sidecar.core.vocabulary import StartingStatus
 from sidecar.probes.transfer import REMOTE_DECODE, bodies, generated, probe_prompt, transfer_params
 from tests.support.harness import wait_until
 from tests.support.tables import POLICY

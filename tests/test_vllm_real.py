@@ -23,8 +23,8 @@ import httpx
 import pytest
 
 from sidecar.config import Settings
-from sidecar.probes import plan_canary
-from sidecar.probes.vllm import VllmProber
+from sidecar.engines.vllm import PROGRESS
+from sidecar.wiring import resolve
 from tests.support.harness import Sidecar, wait_until
 from tests.support.processes import Shared, handed_over, spends
 from tests.support.vllm_engine import (
@@ -75,7 +75,7 @@ def canary_body(mode: str) -> tuple[str, dict[str, Any], int]:
             "SIDECAR_DISAGGREGATION_MODE": mode,
         }
     )
-    plan = plan_canary(settings.canary_config())
+    plan = resolve(settings).plan
     assert plan.enabled, plan.why
     request = plan.request(MODEL, f"canary-test-{mode}-{time.monotonic_ns()}")
     assert request.expected_tokens is not None
@@ -189,7 +189,7 @@ def test_metrics_have_the_progress_spec_names(vllm_aggregated):
             return name in names
         return any(n == name and set(labels.items()) <= ls for n, ls in parsed)
 
-    spec = VllmProber.progress
+    spec = PROGRESS
     assert spec.path == "/metrics"
     required = spec_series(spec.running) + spec_series(spec.waiting)
     required += spec_series(getattr(spec, "peer_wait", ()))

@@ -19,16 +19,17 @@ prober's, measured on each real engine: docs/concepts/backends.md):
   worker): the probe keeps the timed-out canary waiting for its answer and, while it runs, waits
   for it again instead of sending another, so that at most one canary is ever on the engine; its
   answer, when it comes, is swept like any other (Dynamo's encode worker names its file only
-  there). Where closing stops it (``Prober.stops_on_close``) and the engine's HTTP side answers
-  again (llama-server, which then cancels the queued task), an answer that still does not come is
-  not coming: the kept canary is closed and a fresh one sent.
+  there). Where closing stops it (``Prober.stops_on_close``) and the engine answers otherwise
+  again (``answers``: over HTTP its registration route answers, at any status; llama-server then
+  cancels the queued task), an answer that still does not come is not coming: the kept canary is
+  closed and a fresh one sent.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 
 from sidecar.core.evidence.result import Outcome, Result
@@ -63,11 +64,15 @@ class Canary:
         abort_timeout: float = ABORT_TIMEOUT,
         sweeper: Sweeper | None = None,
         holds_on: str = "connection",
+        answers: Callable[[float], Awaitable[bool]] | None = None,
     ) -> None:
         """``holds_on``: what a kept canary waits on, in its reason (a connection, a stream, a
-        call)."""
+        call); ``answers``: whether the engine answers otherwise now, within the seconds given
+        (its HTTP side is alive: then closing a kept canary that the engine cancels on close
+        stops it, and a fresh one is sent); None: the transport cannot tell."""
         self.channel = channel
         self.holds_on = holds_on
+        self.answers = answers
         self.sweeper = sweeper
         self.timeout = timeout
         self.clock = clock
@@ -148,7 +153,7 @@ class Canary:
         started = self.clock()
         kept = self._kept.get(plan.unit)
         stoppable = plan.prober.stops_on_close
-        if kept is not None and not kept[0].done() and stoppable and await self._answers(plan):
+        if kept is not None and not kept[0].done() and stoppable and await self._answering():
             kept[0].cancel()  # closes its connection; the engine, awake, lets it go
             kept = None
         again = kept is not None and not kept[0].done()
@@ -171,10 +176,15 @@ class Canary:
         )
         return Result(Outcome.TIMEOUT, reason, started, self.clock(), time.time(), request_id)
 
-    async def _answers(self, plan: CanaryPlan) -> bool:
-        """Whether the engine, with a kept canary on it, answers otherwise now (then closing the
-        kept one stops it, where the prober says so). A kind that cannot tell says no."""
-        return False
+    async def _answering(self) -> bool:
+        """Whether the engine, with a kept canary on it, answers otherwise now (within a quarter
+        of the canary's timeout); a transport that cannot tell says no."""
+        if self.answers is None:
+            return False
+        try:
+            return await self.answers(self.timeout / 4)
+        except Exception:  # nothing of it may reach the monitor
+            return False
 
 
 def _retrieve(task: asyncio.Task[Result]) -> None:

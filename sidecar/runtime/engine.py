@@ -20,7 +20,7 @@ import httpx
 from sidecar import __version__
 from sidecar.core.evidence.result import Outcome, Result
 from sidecar.probes.base import CanaryRequest
-from sidecar.probes.exchange import Answer, NoAnswer, Received, error_text
+from sidecar.probes.exchange import Answer, Checked, NoAnswer, Received, error_text
 from sidecar.redact import redact
 
 __all__ = ["Answer", "EngineClient", "NoAnswer", "error_text"]
@@ -236,6 +236,12 @@ class EngineClient:
         text = error_text(answer.body)
         return result(Outcome.ERROR, f"GET {path} -> {answer.status}: {text}", answer.status)
 
+    async def answers(self, path: str, deadline: float) -> bool:
+        """Whether ``path`` answers at all (any status) within ``deadline``: the engine's HTTP
+        side is alive."""
+        got = await self._exchange("GET", path, deadline=deadline)
+        return not isinstance(got, NoAnswer)
+
     async def metrics_text(self, path: str) -> tuple[str | None, str]:
         """(text, reason): the engine's Prometheus exposition, or None and why not."""
         answer = await self._exchange("GET", path)
@@ -279,3 +285,18 @@ class EngineClient:
         if not isinstance(model, str) or not model:
             return None, f"GET {path}: no model id in the answer"
         return self.redact(model), f"GET {path} lists a model"
+
+
+class RouteRegistration:
+    """The registration check (:class:`~sidecar.probes.exchange.Registration`) of an engine's
+    HTTP route: :meth:`EngineClient.registration`, once per interval (the client is the
+    wiring's)."""
+
+    def __init__(self, client: EngineClient, path: str, *, any_status: bool) -> None:
+        self.client, self.path, self.any_status = client, path, any_status
+
+    async def __call__(self) -> Checked:
+        return Checked(await self.client.registration(self.path, any_status=self.any_status))
+
+    async def aclose(self) -> None:
+        """Nothing of its own."""

@@ -6,11 +6,14 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import pytest
 
 from sidecar.config import Settings
+from sidecar.probes.base import CanaryRequest
+from sidecar.probes.exchange import NoAnswer
 from sidecar.runtime.health import Health
 from sidecar.wiring import Blueprint, check, health_for, load, resolve
 from tests.support.harness import ROOT, base_env
@@ -57,3 +60,14 @@ def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
         cwd=ROOT,
         check=False,
     )
+
+
+def answered_by(channel: Any, path: str) -> Callable[[float], Awaitable[bool]]:
+    """A canary probe's ``answers`` over a test's channel: its route ``path`` answers at all,
+    within the deadline (as the HTTP transport asks the engine client)."""
+
+    async def answers(deadline: float) -> bool:
+        got = await channel.send(CanaryRequest("GET", path, {}, "", None), deadline)
+        return not isinstance(got.answer, NoAnswer)
+
+    return answers

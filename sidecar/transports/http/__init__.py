@@ -1,6 +1,7 @@
 """The HTTP transport (SIDECAR_TRANSPORT=http, the default): canaries over the engine's own HTTP
 API at SIDECAR_ENGINE_URL, one prober per backend (``vllm.py``, ``sglang.py``, ``trtllm.py``,
-``openai.py``, on ``base.py``), sent and stopped by ``canary.py``. The registration check is the
+``openai.py``, on ``base.py``), sent and stopped by the common probe through the engine client.
+The registration check is the
 engine's cheapest "up and model loaded" route, or its gRPC health service
 (SIDECAR_REGISTRATION=grpc://HOST:PORT/SERVICE).
 
@@ -13,16 +14,14 @@ import json
 from dataclasses import replace
 
 from sidecar.config import Settings
-from sidecar.core.evidence.result import Result
 from sidecar.core.vocabulary import Cause, Mode, Role
 from sidecar.engines import ENGINES
 from sidecar.engines.base import Canary, Engine, NoCanary
 from sidecar.probes.base import CanaryPlan, Reads
-from sidecar.probes.exchange import Checked
-from sidecar.runtime.engine import EngineClient
+from sidecar.probes.canary import Canary as CanaryProbe
+from sidecar.runtime.engine import RouteRegistration
 from sidecar.runtime.grpctarget import grpc_target
 from sidecar.transports.http.base import HttpProber
-from sidecar.transports.http.canary import HttpCanary
 from sidecar.transports.http.openai import OpenAIProber
 from sidecar.transports.http.sglang import SglangEncoderProber, SglangProber
 from sidecar.transports.http.trtllm import TrtllmProber
@@ -51,22 +50,6 @@ def prober_class(engine: Engine, role: Role) -> type[HttpProber]:
     ):
         return encoder
     return PROBERS.get(engine.name, OpenAIProber)
-
-
-class HttpRegistration:
-    """The engine's cheapest "up and model loaded" route, once per interval; with
-    ``any_status``, any answer below 500 says it is up (an engine with no cheap route that
-    answers 200)."""
-
-    def __init__(self, client: EngineClient, path: str, *, any_status: bool) -> None:
-        self.client, self.path, self.any_status = client, path, any_status
-
-    async def __call__(self) -> Checked:
-        result: Result = await self.client.registration(self.path, any_status=self.any_status)
-        return Checked(result)
-
-    async def aclose(self) -> None:
-        """Nothing of its own: the client is the wiring's."""
 
 
 def registration_route(s: Settings, engine: Engine, role: Role) -> tuple[str, bool]:
@@ -140,12 +123,15 @@ class Http(Transport):
 
     async def open(self, o: Opening) -> Opened:
         s = o.settings
-        canary = HttpCanary(
-            o.client(s.engine_url),
+        path, any_status = registration_route(s, o.plan.prober.engine, o.plan.role)
+        client = o.client(s.engine_url)
+        # The engine's HTTP side alive: its registration route answers (any status).
+        canary = CanaryProbe(
+            client,
             timeout=s.request_timeout,
-            answers=registration_route(s, o.plan.prober.engine, o.plan.role)[0],
             clock=o.clock,
             sweeper=o.sweeper,
+            answers=lambda deadline: client.answers(path, deadline),
         )
         if s.registration is not None:
             from sidecar.runtime.grpcregistration import GrpcRegistration  # grpcio: only then
@@ -159,8 +145,7 @@ class Http(Transport):
             o.stack.push_async_callback(check.aclose)
             return Opened(canary, check)
         assert o.routes is not None
-        path, any_status = registration_route(s, o.plan.prober.engine, o.plan.role)
-        return Opened(canary, HttpRegistration(o.routes, path, any_status=any_status))
+        return Opened(canary, RouteRegistration(o.routes, path, any_status=any_status))
 
 
 TRANSPORT = Http()
