@@ -20,7 +20,9 @@ HIDDEN = "<hidden>"
 # URL userinfo (scheme://user:password@host), an Authorization header value, a bearer token.
 _USERINFO = re.compile(r"(//)[^/@\s]*@")
 _AUTHORIZATION = re.compile(r"(authorization\s*[:=]\s*)\S+(?:\s+\S+)?", re.IGNORECASE)
-_BEARER = re.compile(r"(bearer\s+)\S+", re.IGNORECASE)
+_BEARER = re.compile(r"(bearer\s+)(?!tokens?\b)\S+", re.IGNORECASE)  # not the word "token"
+# A field in JSON text (a payload, an echoed body): "name": "value", or "name": a number or word.
+_JSON_FIELD = re.compile(r'("([A-Za-z0-9_.-]+)"\s*:\s*)("(?:[^"\\]|\\.)*"|[^\s,}\]]+)')
 # A field named like a secret: its last word is one of these (api_key, apiKey, access_token,
 # client_secret, password, credentials, authorization), so max_tokens or stop_token_ids are not.
 _SECRET_WORDS = frozenset(
@@ -44,13 +46,22 @@ _WORD = re.compile(r"[A-Z]?[a-z0-9]+|[A-Z]+(?![a-z])")
 
 
 def redact(text: str, secrets: Iterable[str] = ()) -> str:
-    """``text`` without the given secrets, URL credentials or Authorization/bearer values."""
+    """``text`` without the given secrets, URL credentials, Authorization and bearer values, or
+    the values of JSON fields named like secrets."""
     for secret in secrets:
         if secret:
             text = text.replace(secret, HIDDEN)
     text = _USERINFO.sub(rf"\1{HIDDEN}@", text)
     text = _AUTHORIZATION.sub(rf"\1{HIDDEN}", text)
+    text = _JSON_FIELD.sub(_hide_field, text)
     return _BEARER.sub(rf"\1{HIDDEN}", text)
+
+
+def _hide_field(match: re.Match[str]) -> str:
+    if not secret_name(match.group(2)):
+        return match.group(0)
+    value = match.group(3)
+    return match.group(1) + (f'"{HIDDEN}"' if value.startswith('"') else HIDDEN)
 
 
 def secret_name(name: str) -> bool:

@@ -19,7 +19,7 @@ from pydantic import SecretStr
 
 from sidecar.config.fields import Settings
 from sidecar.core.vocabulary import KV_TRANSFER
-from sidecar.redact import HIDDEN, scrubbed, secret_name
+from sidecar.redact import HIDDEN, redact, scrubbed, secret_name
 from sidecar.surface.routes import RESERVED_ROUTES
 
 MAX_VALUE_SHOWN = 80
@@ -43,7 +43,7 @@ def shown(field: str, value: Any) -> str:
     if isinstance(value, SecretStr) or (field in Settings.model_fields and secret_name(field)):
         return HIDDEN
     value = scrubbed(value)
-    text = value if isinstance(value, str) else json.dumps(value, default=str)
+    text = redact(value) if isinstance(value, str) else json.dumps(value, default=str)
     if len(text) > MAX_VALUE_SHOWN:
         text = text[: MAX_VALUE_SHOWN - 3] + "..."
     return repr(text)

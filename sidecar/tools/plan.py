@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from sidecar.core.verdict import RULE_TEXT, Rule
+from sidecar.redact import redact
 from sidecar.tools.exits import EXIT_NOT_HERE
 from sidecar.wiring import Blueprint
 
@@ -192,8 +193,9 @@ def _transfer_lines(b: Blueprint) -> list[str]:
 
 
 def render(b: Blueprint, ignored: Iterable[tuple[str, str]] = ()) -> str:
-    """What ``--check-config`` prints; ``ignored``: the DYN_* variables set that the sidecar does
-    not read, and why (config.check_names)."""
+    """What ``--check-config`` prints, its secrets hidden (the one rule, ``sidecar/redact.py``);
+    ``ignored``: the DYN_* variables set that the sidecar does not read, and why
+    (config.check_names)."""
     s, plan = b.settings, b.plan
     lines = [
         *headline(b),
@@ -215,7 +217,7 @@ def render(b: Blueprint, ignored: Iterable[tuple[str, str]] = ()) -> str:
         _grpc_line(b),
         *_ignored_lines(ignored),
     ]
-    return "\n".join(lines)
+    return redact("\n".join(lines), b.secrets)
 
 
 def _ignored_lines(ignored: Iterable[tuple[str, str]]) -> list[str]:

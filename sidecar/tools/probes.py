@@ -33,6 +33,7 @@ from typing import Any
 import yaml
 
 from sidecar.core.evidence.policy import Policy
+from sidecar.redact import redact
 from sidecar.surface.grpcnames import LIVENESS, READINESS
 from sidecar.wiring import Blueprint
 
@@ -213,7 +214,7 @@ def render(blueprint: Blueprint, max_load_seconds: float, grpc: bool = False) ->
     ``grpc``: as ``grpc:`` probes on the gRPC health service (ValueError when it is off)."""
     t = target(blueprint, grpc)
     z = size(blueprint, max_load_seconds)
-    return "\n".join(
+    text = "\n".join(
         [
             *_header(blueprint, z, t),
             *_startup(z, t),
@@ -221,6 +222,7 @@ def render(blueprint: Blueprint, max_load_seconds: float, grpc: bool = False) ->
             *_readiness(blueprint, z, t),
         ]
     )
+    return redact(text, blueprint.secrets)  # its secrets hidden: the one rule
 
 
 def _header(b: Blueprint, z: Sizing, t: Target) -> list[str]:

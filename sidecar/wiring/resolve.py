@@ -64,6 +64,12 @@ class Blueprint:
     control: ControlConfig
 
     @property
+    def secrets(self) -> tuple[str, ...]:
+        """The values the user set as tokens: hidden wherever they would show."""
+        s = self.settings
+        return tuple(v.get_secret_value() for v in (s.engine_api_key, s.control_token) if v)
+
+    @property
     def plan(self) -> CanaryPlan:
         """The generate endpoint's plan."""
         return self.plans[GENERATE]
