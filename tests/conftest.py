@@ -3,8 +3,8 @@ from __future__ import annotations
 import _posixsubprocess
 import asyncio
 import contextlib
-import fnmatch
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from tests.support.harness import FakeEngine, Sidecar
+from tests.support.residue_watch import _health_sidecar_residue as watch
 
 # Short timings keep the suite fast and steady on a busy 2-core machine.
 FAST = {
@@ -236,9 +237,9 @@ def pytest_runtest_teardown(item: pytest.Item) -> Generator[None, object, object
 
 SESSION_MARKER = "HEALTH_SIDECAR_TEST_SESSION"  # every process the tests start inherits it
 PROCESS_GRACE = 3.0  # seconds for processes killed at teardown to be gone from /proc
-# Names (glob patterns, separated by spaces) of what programs outside the tests may make in the
-# temporary directory during a run, on a machine where others work too: not the tests' residue.
-RESIDUE_IGNORE = "HEALTH_SIDECAR_RESIDUE_IGNORE"
+# Its sitecustomize watches, in each Python process the tests start, what it makes in the
+# temporary directory: residue is what the session made, not what other programs wrote meanwhile.
+WATCH = Path(watch.__file__).parent
 
 
 @dataclass
@@ -251,7 +252,11 @@ class Residue:
     saved_tempdir: str | None
     saved_marker: str | None
     children_before: set[int]  # processes of the session before it started: not its residue
+    saved_pythonpath: str | None
+    watch_log: Path  # where the session's other Python processes record what they made
+    made: set[str] = field(default_factory=set)  # what pytest's own process made
     found: list[str] = field(default_factory=list)
+    passed_over: list[str] = field(default_factory=list)  # made meanwhile by other programs
 
 
 RESIDUE = pytest.StashKey[Residue]()
@@ -321,7 +326,10 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     session_tmp = basetemp / "tmp"
     session_tmp.mkdir(exist_ok=True)
     session_id = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
-    config.stash[RESIDUE] = Residue(
+    # beside basetemp, not in it: pytest removes a passing run's basetemp before the check reads it
+    watch_log = basetemp.parent / f"residue-watch-{session_id}"
+    watch_log.mkdir()
+    config.stash[RESIDUE] = residue = Residue(
         temp_root=temp_root,
         temp_before=temp_before,
         session_tmp=session_tmp,
@@ -330,7 +338,15 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         saved_tempdir=tempfile.tempdir,
         saved_marker=os.environ.get(SESSION_MARKER),
         children_before=set(session_processes(os.getpid(), session_id)),
+        saved_pythonpath=os.environ.get("PYTHONPATH"),
+        watch_log=watch_log,
     )
+    pass_over = _pytest_roots(residue, config)
+    watch.install(str(temp_root), pass_over, residue.made.add)
+    os.environ[watch.ROOT] = str(temp_root)
+    os.environ[watch.LOG] = str(watch_log)
+    os.environ[watch.PASS_OVER] = os.pathsep.join(sorted(pass_over))
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, (str(WATCH), residue.saved_pythonpath)))
     os.environ["TMPDIR"] = str(session_tmp)
     tempfile.tempdir = str(session_tmp)
     outer = os.environ.get(SESSION_MARKER)
@@ -370,16 +386,24 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
                 os.kill(pid, signal.SIGKILL)
         left = set(os.listdir(residue.temp_root)) - residue.temp_before
         left -= _pytest_roots(residue, config)
-        ignored = os.environ.get(RESIDUE_IGNORE, "").split()
-        left = {name for name in left if not any(fnmatch.fnmatch(name, p) for p in ignored)}
-        for name in sorted(left):
+        made = residue.made | watch.recorded(str(residue.watch_log))
+        shutil.rmtree(residue.watch_log, ignore_errors=True)
+        residue.passed_over = sorted(left - made)
+        for name in sorted(left & made):
             path = residue.temp_root / name
             kind = "directory" if path.is_dir() else "file"
             residue.found.append(f"{kind} left in {residue.temp_root}: {path}")
         if residue.found and session.exitstatus == pytest.ExitCode.OK:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
     finally:
-        for name, value in (("TMPDIR", residue.saved_env), (SESSION_MARKER, residue.saved_marker)):
+        for name, value in (
+            ("TMPDIR", residue.saved_env),
+            (SESSION_MARKER, residue.saved_marker),
+            ("PYTHONPATH", residue.saved_pythonpath),
+            (watch.ROOT, None),
+            (watch.LOG, None),
+            (watch.PASS_OVER, None),
+        ):
             if value is None:
                 os.environ.pop(name, None)
             else:
@@ -400,13 +424,20 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
     residue = config.stash.get(RESIDUE, None)
-    if residue is None or not residue.found:
+    if residue is None:
         return
     reporter = terminalreporter
+    if residue.passed_over:
+        over = residue.passed_over
+        names = ", ".join(over[:5]) + (", ..." if len(over) > 5 else "")
+        reporter.line(
+            f"residue check: passed over {len(over)} new entries in "
+            f"{residue.temp_root} that no process of the tests made ({names})"
+        )
+    if not residue.found:
+        return
     reporter.section("residue: the run fails (exit status 1)", sep="=", red=True, bold=True)
     reporter.line("The tests left behind (every test writes under tmp_path and ends what it")
-    reporter.line("starts: docs/develop/testing.md). A program outside the tests that wrote in")
-    reporter.line(f"the temporary directory meanwhile shows here too: {RESIDUE_IGNORE}='GLOB ...'")
-    reporter.line("names what to pass over.")
+    reporter.line("starts: docs/develop/testing.md).")
     for line in residue.found:
         reporter.line(f"  {line}", red=True)

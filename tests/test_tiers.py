@@ -274,7 +274,7 @@ def test_the_real_run_refuses_a_test_without_a_tier(tmp_path):
 
 
 LEAVES_RESIDUE = """
-import os, pathlib, subprocess
+import os, pathlib, socket, subprocess, sys
 
 import pytest
 
@@ -283,6 +283,13 @@ pytestmark = pytest.mark.process
 
 def test_leaves_a_file():
     pathlib.Path(os.environ["LEAVE_IN"], "left-behind.txt").write_text("x")
+
+
+def test_leaves_a_socket_and_a_child_leaves_a_directory():
+    with socket.socket(socket.AF_UNIX) as server:
+        server.bind(os.path.join(os.environ["LEAVE_IN"], "left-socket"))
+    made = "import os; os.mkdir(os.path.join(os.environ['LEAVE_IN'], 'left-by-a-child'))"
+    subprocess.run([sys.executable, "-c", made], check=True)
 
 
 def test_leaves_a_child_running():
@@ -332,14 +339,17 @@ def test_a_run_that_leaves_files_or_processes_fails_naming_them(tmp_path, ended)
     found = [int(pid) for pid in re.findall(r"process (\d+) still running", out)]
     ended += found
     assert done.returncode == 1, out + done.stderr
-    assert "4 passed" in out, out
+    assert "5 passed" in out, out
     assert "residue: the run fails (exit status 1)" in out, out
     assert f"file left in {root}: {root / 'left-behind.txt'}" in out, out
+    assert f"file left in {root}: {root / 'left-socket'}" in out, out
+    assert f"directory left in {root}: {root / 'left-by-a-child'}" in out, out
     assert re.search(r"process \d+ still running: sleep 301 \(killed\)", out), out
     assert re.search(r"process \d+ still running: sleep 302 \(killed\)", out), out
     assert len(found) == 2, out
     assert "left-in-the-sessions-own" not in out
-    assert {p.name for p in root.iterdir()} <= {"left-behind.txt", f"pytest-of-{getpass.getuser()}"}
+    left = {"left-behind.txt", "left-socket", "left-by-a-child", f"pytest-of-{getpass.getuser()}"}
+    assert {p.name for p in root.iterdir()} <= left
     assert not [pid for pid in found if alive(pid)]
 
 
@@ -355,6 +365,62 @@ def test_a_clean_run_passes_and_its_processes_carry_the_marker(tmp_path):
     assert "residue" not in done.stdout
     assert "1 passed" in done.stdout
     assert os.environ[SESSION_MARKER]  # this session's, inherited by the throwaway run's
+
+
+OTHERS_WRITE_MEANWHILE = """
+import os, pathlib, time
+
+import pytest
+
+
+@pytest.mark.process
+def test_while_another_program_writes_in_the_temporary_directory():
+    trigger, done = pathlib.Path(os.environ["TRIGGER"]), pathlib.Path(os.environ["DONE"])
+    trigger.write_text("go")
+    deadline = time.monotonic() + 10
+    while not done.exists():
+        assert time.monotonic() < deadline, "the other program wrote nothing"
+        time.sleep(0.05)
+"""
+
+# A program outside the test session: it waits for the trigger, then makes a file, a directory
+# and a unix socket in the temporary directory of the run, as other programs on a busy machine do.
+OTHER_PROGRAM = """
+import os, pathlib, socket, sys, time
+root, trigger, done = sys.argv[1:4]
+deadline = time.monotonic() + 60
+while not os.path.exists(trigger) and time.monotonic() < deadline:
+    time.sleep(0.05)
+pathlib.Path(root, "tmpabc123").write_text("theirs")
+os.mkdir(os.path.join(root, "their-directory"))
+socket.socket(socket.AF_UNIX).bind(os.path.join(root, "their.sock"))
+pathlib.Path(done).write_text("done")
+"""
+
+
+@pytest.mark.process
+def test_a_clean_run_passes_while_other_programs_write_in_the_temporary_directory(tmp_path):
+    """What other programs make in the temporary directory meanwhile is not the run's residue:
+    the run passes, and says what it passed over."""
+    root, trigger, done = tmp_path / "root", tmp_path / "trigger", tmp_path / "done"
+    root.mkdir()
+    other = subprocess.Popen(  # not a process of the run below: it is started outside it
+        [sys.executable, "-c", OTHER_PROGRAM, str(root), str(trigger), str(done)],
+        env=base_env(),
+    )
+    try:
+        env = {"TMPDIR": str(root), "TRIGGER": str(trigger), "DONE": str(done)}
+        ran = run_pytest(tmp_path, OTHERS_WRITE_MEANWHILE, env)
+        assert other.wait(timeout=10) == 0
+    finally:
+        other.kill()
+        other.wait()
+    out = ran.stdout
+    assert ran.returncode == pytest.ExitCode.OK, out + ran.stderr
+    assert "1 passed" in out, out
+    assert "residue: the run fails" not in out, out
+    assert f"passed over 3 new entries in {root} that no process of the tests made" in out, out
+    assert sorted(p.name for p in root.iterdir()) == ["their-directory", "their.sock", "tmpabc123"]
 
 
 @pytest.mark.process
