@@ -72,6 +72,36 @@ def test_a_sleeping_engine_is_notready_live_and_gets_no_canary(level):
     run_virtually(main)
 
 
+@pytest.mark.parametrize(
+    "broken", [{"generation_status": 500}, {"hang_generation": True}], ids=["crashes", "hangs"]
+)
+def test_wake_is_not_ready_an_engine_broken_by_wake_up_stays_notready(broken):
+    """vLLM #45650: after ``wake_up`` an engine can answer /health 200 and fail its first
+    forward pass. Ready again only after a canary passes: from the wake on, /health says 503
+    at every poll while the woken engine's generation fails, and 200 once it is mended."""
+
+    async def main() -> None:
+        engine = ProcessLink("vllm", dev_mode=True)
+        async with running(CANARY_ON, {URL: engine}) as side:
+            await side.wait_status(200, 5)
+            assert (await engine.admin.post("/sleep", params={"level": 1})).status_code == 200
+            await side.wait_status(503, 3)
+            await engine.fault(**broken)  # what the wake will leave behind
+            assert (await engine.admin.post("/wake_up")).status_code == 200
+            assert (await engine.admin.get("/health")).status_code == 200  # its own says fine
+            # Five canary waits: the woken engine is asked, fails, and is never called ready.
+            assert await side.statuses(5.0, step=0.01) == {503}
+            _, body = await side.health_body()
+            assert body["checks"]["generate"]["lifecycle"]["sleeping"] is False
+            assert body["checks"]["generate"]["last_canary"]["outcome"] in {"error", "timeout"}
+            assert len(await canaries(engine)) >= 2, "the woken engine was not asked"
+            assert (await side.get("/live")).status_code == 200
+            await engine.fault(generation_status=None, hang_generation=False)
+            await side.wait_status(200, 3)
+
+    run_virtually(main)
+
+
 def test_an_engine_without_the_sleep_route_is_ready_says_so_once_and_is_not_asked_again():
     """No dev routes: GET /is_sleeping answers 404; the worker is ready, the log says once that
     the engine serves no sleep route, and the route is not asked again."""
