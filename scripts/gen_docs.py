@@ -446,7 +446,7 @@ def probes() -> str:
 
 
 def exit_statuses() -> str:
-    from sidecar.tools.exits import EXIT_STATUSES
+    from sidecar.runtime.exits import EXIT_STATUSES
 
     rows = ["| status | means |", "|---|---|"]
     rows += [f"| {code} | {_escape(text)} |" for code, text in EXIT_STATUSES.items()]

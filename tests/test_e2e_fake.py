@@ -149,3 +149,16 @@ def test_sigterm_exits_zero_when_the_grace_period_ends(engine, sidecar):
     side.proc.signal(signal.SIGTERM)
     assert side.proc.popen.wait(4) == 0
     assert "drain: 1 s passed with the engine still up" in side.proc.output()
+
+
+def test_not_live_exits_with_the_pod_restart_code(engine, sidecar):
+    """SIDECAR_POD_RESTART_EXIT_CODE as users set it: a hung engine, the liveness clock runs out,
+    and the process's exit status is the code (what a restartPolicyRules entry matches)."""
+    fake = engine("vllm", "aggregated")
+    env = {"SIDECAR_ENGINE_URL": fake.url, "SIDECAR_POD_RESTART_EXIT_CODE": "88"}
+    side = sidecar(CANARY_ON | env | {"SIDECAR_LIVENESS_WINDOW": "2"})
+    side.wait_status(200, 5)
+    fake.fault(hang_generation=True)
+    # wait + retry + window = 4 s at the longest (Policy.to_notlive), and two to exit.
+    assert side.proc.popen.wait(6) == 88
+    assert "exiting with 88 (SIDECAR_POD_RESTART_EXIT_CODE)" in side.proc.output()

@@ -36,7 +36,7 @@ from sidecar.core.observations import Observation
 from sidecar.core.verdict import HEARTBEAT_STALE
 from sidecar.runtime.health import Health
 from sidecar.runtime.server import DRAIN_POLL, Servers, Sidecar, StartupError
-from sidecar.wiring import health_for, monitor_main, resolve, surface_for
+from sidecar.wiring import health_for, monitor_main, policy_of, resolve, sidecar_for, surface_for
 from tests.support.exposition import metric
 from tests.support.inprocess import EngineLink, run_virtually, settings_of, until
 
@@ -148,7 +148,6 @@ async def lifecycle(
     """The sidecar's lifecycle serving, as ``sidecar.wiring.build`` assembles it, with the fake
     servers and the monitor on this loop (``main``: another monitor, given the state's writer)."""
     blueprint = resolve(settings_of(CANARY_ON | (env or {})))
-    settings = blueprint.settings
     loop = asyncio.get_running_loop()
     health = health_for(blueprint, clock=loop.time)
     surface = surface_for(blueprint, health)
@@ -159,12 +158,7 @@ async def lifecycle(
 
     runner = TaskRunner(monitor if main is None else main(health), health.observe)
     http = FakeServer(surface.app, binds=http_binds)
-    sidecar = Sidecar(
-        Servers(http, control, grpc),
-        runner,
-        drain_timeout=settings.drain_timeout,
-        gone=lambda: health.snapshot.engine_gone,
-    )
+    sidecar = sidecar_for(blueprint, health, Servers(http, control, grpc), runner)
     serving = asyncio.create_task(sidecar.serve(), name="serve")
     client = httpx.AsyncClient(transport=http, base_url="http://side")
     try:
@@ -430,6 +424,66 @@ def test_the_control_server_stopping_with_the_rest_is_no_failure(caplog):
 
     run_virtually(main)
     assert not criticals(caplog)
+
+
+# --- a pod restart where an engine restart is not enough -----------------------------------------
+
+POD_RESTART = {"SIDECAR_POD_RESTART_EXIT_CODE": "88", "SIDECAR_LIVENESS_WINDOW": "3"}
+
+
+def test_not_live_exits_with_the_pod_restart_code_and_says_why(caplog):
+    """SIDECAR_POD_RESTART_EXIT_CODE: the engine hangs, the liveness clock runs out, and the
+    sidecar stops its servers and exits with the code, within the documented bound of /live
+    failing; one critical line says the code and why."""
+    bound = policy_of(settings_of(CANARY_ON | POD_RESTART)).to_notlive().seconds
+
+    async def main() -> None:
+        async with lifecycle(POD_RESTART) as side:
+            await until(_status(side, 200), 5, STEP, "ready")
+            await side.engine.fault(hang_generation=True)
+            hung = side.now()
+            assert await side.exit_code(bound + EXIT) == 88
+            assert side.http.exited_at is not None
+            assert side.http.exited_at - hung <= bound + EXIT
+            assert side.runner.stopped
+
+    run_virtually(main)
+    (line,) = criticals(caplog)
+    text = line.getMessage()
+    assert text.startswith("exiting with 88 (SIDECAR_POD_RESTART_EXIT_CODE) for the kubelet to "
+                           "restart the pod: "), text  # fmt: skip
+    assert "canary failing hard" in text, text
+
+
+def test_not_live_while_draining_exits_as_the_drain_does(caplog):
+    """A pod being deleted is not restarted: not live during a drain, the drain ends as it
+    would (exit 0)."""
+
+    async def main() -> None:
+        env = POD_RESTART | {"SIDECAR_DRAIN_TIMEOUT": "10"}
+        async with lifecycle(env) as side:
+            await until(_status(side, 200), 5, STEP, "ready")
+            await side.engine.fault(hang_generation=True)
+            deliver(signal.SIGTERM)
+            await until(_status(side, 503, "/live"), 8, STEP, "not live")
+            assert not side.serving.done()
+            assert await side.exit_code(10 + EXIT) == 0
+
+    run_virtually(main)
+    assert not criticals(caplog)
+
+
+def test_without_the_code_not_live_keeps_serving_503():
+    async def main() -> None:
+        async with lifecycle({"SIDECAR_LIVENESS_WINDOW": "3"}) as side:
+            await until(_status(side, 200), 5, STEP, "ready")
+            await side.engine.fault(hang_generation=True)
+            await until(_status(side, 503, "/live"), 8, STEP, "not live")
+            await asyncio.sleep(5)
+            assert not side.serving.done()
+            assert await side.status("/live") == 503
+
+    run_virtually(main)
 
 
 # --- a silent monitor ----------------------------------------------------------------------------

@@ -41,6 +41,7 @@ from sidecar.core.vocabulary import (
     ModelType,
     StartingStatus,
 )
+from sidecar.runtime.exits import POD_RESTART_CODES
 
 
 class LogLevel(StrEnum):
@@ -474,6 +475,20 @@ class Settings(BaseSettings):
         "an integer port from 1 to 65535",
         ge=1,
         le=65535,
+    )
+    pod_restart_exit_code: int | None = _env(
+        "SIDECAR_POD_RESTART_EXIT_CODE",
+        None,
+        "Opt-in pod restart (Kubernetes 1.36, KEP-5532): when the worker stops being live (its "
+        "liveness clock runs out, as /live turns 503), the sidecar exits with this code, and a "
+        "restartPolicyRules entry on its container (action RestartAllContainers) restarts the "
+        "whole pod in place: for a device fault a new engine process in the same pod would "
+        "inherit. Grace periods and preStop hooks are not honoured. Unset: never; /live alone "
+        "restarts the engine container (docs/deploy/pod-restart.md).",
+        "an integer from 4 to 125 (1-3 are the sidecar's own exit statuses, 126 and up a "
+        "shell's and the signals')",
+        ge=POD_RESTART_CODES.start,
+        le=POD_RESTART_CODES.stop - 1,
     )
     control_token: Annotated[SecretStr | None, Token] = _env(
         "SIDECAR_CONTROL_TOKEN",

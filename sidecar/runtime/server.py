@@ -7,7 +7,8 @@ control and gRPC health servers when their ports are set), each ``serve()`` unti
 503 until the engine is gone or the drain timeout), SIGINT stops at once; then the monitor is
 cancelled and closes what it opened. A monitor that dies of an unexpected error stops the
 process with exit code 1 rather than serving a frozen verdict; one that could not start for a
-reason the configuration names, with 2.
+reason the configuration names, with 2. With ``SIDECAR_POD_RESTART_EXIT_CODE``, the worker's
+liveness running out stops it with that code, for the kubelet to restart the whole pod.
 """
 
 from __future__ import annotations
@@ -25,11 +26,11 @@ from typing import Any, Protocol
 import uvicorn
 
 from sidecar.core.observations import DrainAsked, Observation
+from sidecar.runtime.exits import EXIT_CONFIG, EXIT_FAILURE
 
 log = logging.getLogger("sidecar")
 
 DRAIN_POLL = 0.05
-EXIT_CONFIG = 2  # as the command line's configuration errors
 
 
 class StartupError(Exception):
@@ -169,13 +170,17 @@ class Sidecar:
         *,
         drain_timeout: float,
         gone: Callable[[], bool],
+        pod_restart_code: int | None = None,
     ) -> None:
         self.servers = servers
         self.monitor = monitor
         self.drain_timeout = drain_timeout
         self.gone = gone
+        self.pod_restart_code = pod_restart_code
         self.drain_task: asyncio.Task[None] | None = None  # set by the first SIGTERM only
         self._tasks: dict[str, asyncio.Future[None]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._pod_restart: str | None = None  # why the pod is to restart, once asked
 
     async def serve(self) -> int:
         """Startup, run, shutdown; the process's exit code."""
@@ -190,7 +195,7 @@ class Sidecar:
 
     def startup(self) -> None:
         """Take the signals, start the monitor's loop and the servers."""
-        loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()
         for sig, handler in self._signal_handlers().items():
             loop.add_signal_handler(sig, handler)
         self._tasks["monitor"] = self.monitor.start()
@@ -218,11 +223,34 @@ class Sidecar:
                 log.critical("%s", failure)
                 return EXIT_CONFIG
             log.critical("the monitor stopped unexpectedly", exc_info=failure)
-            return 1
+            return EXIT_FAILURE
         if self._tasks.get("control") in done and not self.servers.http.should_exit:
             log.critical("the control server stopped (could it bind SIDECAR_CONTROL_PORT?)")
-            return 1
+            return EXIT_FAILURE
+        if self._pod_restart is not None and self.pod_restart_code is not None:
+            log.critical(
+                "exiting with %d (SIDECAR_POD_RESTART_EXIT_CODE) for the kubelet to restart the "
+                "pod: %s",
+                self.pod_restart_code,
+                self._pod_restart,
+            )
+            return self.pod_restart_code
         return 0
+
+    def restart_pod(self, reason: str) -> None:
+        """The worker is no longer live: with SIDECAR_POD_RESTART_EXIT_CODE, stop the servers and
+        exit with it (not while draining: the pod is going away). Called from the monitor's
+        thread; the servers are told on this loop."""
+        loop = self._loop
+        if self.pod_restart_code is None or loop is None or loop.is_closed():
+            return
+        loop.call_soon_threadsafe(self._restart_pod, reason)
+
+    def _restart_pod(self, reason: str) -> None:
+        if self._pod_restart is not None or self.drain_task is not None:
+            return
+        self._pod_restart = reason
+        self.stop_servers()
 
     async def drain(self) -> None:
         """Readiness 503 at once; keep serving until the engine is gone or the drain timeout

@@ -15,7 +15,7 @@ import sys
 from sidecar import __version__
 from sidecar.config import ConfigError, Settings, check_names, names_set
 from sidecar.redact import RedactingFilter
-from sidecar.tools.exits import EXIT_CONFIG, EXIT_NOT_HERE
+from sidecar.runtime.exits import EXIT_CONFIG, EXIT_NOT_HERE
 from sidecar.wiring import Blueprint, load, resolve
 
 

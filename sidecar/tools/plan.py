@@ -13,7 +13,7 @@ from collections.abc import Iterable
 
 from sidecar.core.verdict import RULE_TEXT, Rule
 from sidecar.redact import redact
-from sidecar.tools.exits import EXIT_NOT_HERE
+from sidecar.runtime.exits import EXIT_NOT_HERE
 from sidecar.wiring import Blueprint
 
 
@@ -319,7 +319,17 @@ def _verdict_lines(b: Blueprint) -> list[str]:
         f"liveness       fails after {s.liveness_window:g} s on one clock: {clocks}; never while "
         f"the engine answers its health route {b.route.checking.otherwise}, refuses "
         "connections, or rejects a canary that never passed (4xx)",
+        _pod_restart_line(s.pod_restart_exit_code),
     ]
+
+
+def _pod_restart_line(code: int | None) -> str:
+    if code is None:
+        return "               not live: /live 503 (SIDECAR_POD_RESTART_EXIT_CODE unset)"
+    return (
+        f"               not live: /live 503, and exit {code} (SIDECAR_POD_RESTART_EXIT_CODE) "
+        "for the kubelet to restart the whole pod"
+    )
 
 
 def _grpc_line(b: Blueprint) -> str:

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
 
+from sidecar.core.events import Event, Kind
 from sidecar.core.observations import Observation
 from sidecar.core.snapshot import first_snapshot
 from sidecar.probes.base import TRANSFER
@@ -37,7 +38,7 @@ from sidecar.runtime.engine import CHECK_CONNECTIONS, EngineClient
 from sidecar.runtime.health import Health
 from sidecar.runtime.leftovers import Leftovers, Offload, in_thread
 from sidecar.runtime.monitor import EngineParts, Monitor
-from sidecar.runtime.server import HttpServer, LoopThread, Servers, Sidecar
+from sidecar.runtime.server import HttpServer, LoopThread, Runner, Servers, Sidecar
 from sidecar.surface.app import create_app
 from sidecar.surface.control import CONTROL_HOST, create_control_app
 from sidecar.surface.history import History
@@ -219,12 +220,28 @@ def build(
 
         grpc = GrpcHealth(health, host, s.grpc_port)
         health.subscribe(grpc.on_event)
-    return Sidecar(
-        Servers(http, control, grpc),
+    return sidecar_for(blueprint, health, Servers(http, control, grpc), runner)
+
+
+def sidecar_for(blueprint: Blueprint, health: Health, servers: Servers, runner: Runner) -> Sidecar:
+    """The lifecycle over built servers and the monitor's runner; with
+    SIDECAR_POD_RESTART_EXIT_CODE, told when the worker stops being live."""
+    s = blueprint.settings
+    sidecar = Sidecar(
+        servers,
         runner,
         drain_timeout=s.drain_timeout,
         gone=lambda: health.snapshot.engine_gone,
+        pod_restart_code=s.pod_restart_exit_code,
     )
+    if s.pod_restart_exit_code is not None:
+
+        def not_live(event: Event) -> None:
+            if event.kind is Kind.LIVENESS and event.liveness and not event.liveness.live:
+                sidecar.restart_pod(event.liveness.reason)
+
+        health.subscribe(not_live)
+    return sidecar
 
 
 def log_serving(blueprint: Blueprint) -> None:
