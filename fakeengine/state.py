@@ -349,8 +349,8 @@ class EngineState:
 
     def published(self, rank: Rank) -> RankStats:
         """What a rank's series show: its live numbers, or the frozen ones while it is hung."""
-        if rank.frozen is not None:
-            return rank.frozen
+        if rank.frozen is not None:  # the sleep state is the API server's to say, hung or not
+            return replace(rank.frozen, sleep_level=self.sleep_level)
         return replace(rank.stats, sleep_level=self.sleep_level, idle_seconds=rank.idle_seconds())
 
     def published_total(self) -> RankStats:
@@ -441,12 +441,17 @@ class EngineState:
             self._released.set()
         hung = set(self.faults.hang_ranks)
         for rank in self.ranks:
-            if rank.index in hung and not stopping:
-                if rank.frozen is None:  # its series stop where they are now
+            # A hung engine loop publishes nothing new: its series stop where they are now,
+            # gauges too (a real vLLM's num_requests_running and _waiting stay at the last step's
+            # values however many requests queue meanwhile: docs/engines.md).
+            if (rank.index in hung or self.faults.hang_generation) and not stopping:
+                if rank.frozen is None:
                     rank.frozen = self.published(rank)
-                rank.released.clear()
             else:
                 rank.frozen = None
+            if rank.index in hung and not stopping:
+                rank.released.clear()
+            else:
                 rank.released.set()
 
     def stop(self) -> None:

@@ -50,7 +50,7 @@ if str(ROOT) not in sys.path:  # run as a script: import the checkout's sidecar
 
 from sidecar.config import Settings  # noqa: E402
 from sidecar.core import verdict  # noqa: E402
-from sidecar.core.evidence.policy import Policy  # noqa: E402
+from sidecar.core.evidence.policy import STALL_WINDOW_DEFAULT, Policy  # noqa: E402
 from sidecar.transports import TRANSPORTS  # noqa: E402
 from sidecar.transports.seam import shown_body  # noqa: E402
 from sidecar.wiring import catalog, check, load, policy_of, resolve  # noqa: E402
@@ -275,7 +275,7 @@ def _settings_ref(attr: str) -> str:
     if field is not None:
         return f"`{field.validation_alias}`"
     if attr == "stall_window_of(s)":
-        return "`SIDECAR_STALL_WINDOW` (unset: `DYN_HEALTH_CHECK_REQUEST_TIMEOUT` + 2 s)"
+        return f"`SIDECAR_STALL_WINDOW` (unset: {STALL_WINDOW_DEFAULT})"
     return f"`{attr}`"
 
 
@@ -298,7 +298,7 @@ def _value(value: Any) -> str:
 
 
 # The bounds the policy makes, each a sum of named terms (sidecar/core/evidence/policy.py).
-BOUNDS = ("to_ready", "to_notready", "to_notlive", "to_stalled")
+BOUNDS = ("to_ready", "to_notready", "to_notlive", "to_stalled", "to_stalled_from_idle")
 
 
 def _bound(policy: Policy, name: str) -> str:

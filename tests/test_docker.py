@@ -32,6 +32,7 @@ from typing import Any, NoReturn
 import httpx
 import pytest
 
+from sidecar.runtime.exits import EXIT_NOT_HERE
 from tests.support.engines import LlamaServer, cache_dir, require
 from tests.support.harness import LOOPBACK, ROOT, FakeEngine, free_port, wait_until
 from tests.support.prerequisites import missing as prerequisite_missing
@@ -277,25 +278,27 @@ def check_config(
 def test_the_image_with_the_dynamo_extra_has_the_runtime_and_without_it_says_so(
     docker: Docker, image: str
 ):
-    """--build-arg EXTRAS=dynamo adds Dynamo's runtime client; the plain image passes
-    --check-config (validation does not depend on what is installed) and says the runtime is not
-    there, and refuses to start with one line naming the command that installs it there."""
+    """--build-arg EXTRAS=dynamo adds Dynamo's runtime client. In the plain image --check-config
+    says the configuration is valid but cannot start there (exit 3, validation does not depend on
+    what is installed) and names the command that installs the runtime; serving refuses with that
+    one line, and exit 3 too."""
     seconds = docker.build(
         "--build-arg", f"BASE={docker.base}", "--build-arg", "EXTRAS=dynamo",
         "-t", DYNAMO_IMAGE, ".",
     )  # fmt: skip
     try:
         plain = check_config(docker, image, DYNAMO_ENV)
-        assert plain.returncode == 0, plain.stdout + plain.stderr
+        assert plain.returncode == EXIT_NOT_HERE, plain.stdout + plain.stderr
+        assert "configuration is valid, but it cannot start here" in plain.stdout + plain.stderr
         assert "-m pip install 'health-sidecar[dynamo]'" in plain.stdout
         started = check_config(docker, image, DYNAMO_ENV, "serve")
-        assert started.returncode == 2, started.stdout + started.stderr
+        assert started.returncode == EXIT_NOT_HERE, started.stdout + started.stderr
         lines = started.stderr.strip().splitlines()
         assert len(lines) == 1, started.stderr
         assert lines[0].startswith(
-            "health-sidecar: cannot start: SIDECAR_TRANSPORT=dynamo: expected Dynamo's runtime "
-            "client installed"
-        )
+            "health-sidecar: cannot start: SIDECAR_TRANSPORT=dynamo: expected the dynamo extra "
+            "installed"
+        ), lines[0]
         assert "-m pip install 'health-sidecar[dynamo]'" in lines[0]
         extra = check_config(docker, DYNAMO_IMAGE, DYNAMO_ENV)
         assert extra.returncode == 0, extra.stderr

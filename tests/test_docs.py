@@ -133,8 +133,11 @@ def test_a_changed_formula_is_caught(gen_docs):
     page = ROOT / "docs" / "concepts" / "decision-model.md"
     assert set(drifted) == {page}
     text = gen_docs.diff(page, *drifted[page])
-    assert "-| `to_stalled()` | 1 s metrics interval + 1 s quiet + 3 s timeout = 5 s |" in text
-    assert "+| `to_stalled()` | 1 s quiet + 3 s timeout = 4 s |" in text
+    assert (
+        "-| `to_stalled()` | 0.65 s busy metrics interval + 1.35 s quiet + 3 s timeout = 5 s |"
+        in text
+    )
+    assert "+| `to_stalled()` | 1.35 s quiet + 3 s timeout = 4.35 s |" in text
 
 
 @pytest.mark.unit

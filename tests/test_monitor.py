@@ -293,12 +293,14 @@ def test_the_engine_is_read_once_per_interval_for_all_its_ranks(monkeypatch):
         assert set(health.snapshot.endpoints) == {"generate/rank0", "generate/rank1"}
 
     run_virtually(b, script)
-    # One registration check and one metrics read a second, not one per rank, nor one per canary
-    # (a canary's baseline is the engine-level read before it left).
+    # One registration check and one metrics read a second, not one per rank; and one more
+    # read at most per canary (its baseline is a read that leaves with it, so that what the
+    # engine computed before it left cannot excuse its timeout; a periodic read reuses it when
+    # it started within half an interval).
     assert 24 <= counted["registration"] <= 26, counted
-    assert 24 <= counted["metrics"] <= 26, counted
     # Each rank has its own canary, every wait (10 s): two each in 25 s.
     assert counted["canary"] == 4, counted
+    assert 24 <= counted["metrics"] <= 26 + counted["canary"], counted
 
 
 def test_a_window_declared_from_outside_wakes_the_loop_and_ends_on_time(monkeypatch):

@@ -270,20 +270,29 @@ def test_quiet_counters_with_work_in_flight_raise_a_suspicion_on_time():
         state = on_sample(state, sample(t, 2, total), "", SPEC)
     assert state.quiet_since == 1.0  # the last read that showed them move
     assert state.suspect_at(POLICY.suspect_after) == 1.0 + POLICY.suspect_after
-    assert not state.suspects_stall(POLICY.suspect_after, 1.5)
-    assert state.suspects_stall(POLICY.suspect_after, 2.0)
+    assert not state.suspects_stall(POLICY.suspect_after, 1.0 + POLICY.suspect_after - 0.01)
+    assert state.suspects_stall(POLICY.suspect_after, 1.0 + POLICY.suspect_after)
     state = on_sample(state, sample(3.0, 0, 20.0), "", SPEC)  # drained
     assert state.quiet_since is None
 
 
 @pytest.mark.parametrize(
-    ("timeout", "window", "interval", "suspect_after", "bound"),
-    [(0.5, 2.5, 1.0, 1.0, 2.5), (3.0, 5.0, 1.0, 1.0, 5.0), (3.0, 30.0, 1.0, 26.0, 30.0)],
+    ("timeout", "window", "interval", "busy", "suspect_after", "bound"),
+    [
+        (0.5, 2.5, 1.0, 0.65, 1.35, 2.5),
+        (3.0, 5.0, 1.0, 0.65, 1.35, 5.0),
+        (3.0, 30.0, 1.0, 1.0, 26.0, 30.0),
+        (0.5, 1.25, 0.5, 0.25, 0.5, 1.25),  # the test suite's timings: wait 1 s
+        # Too tight for its timeout: the shortest busy read, two of them quiet, the timeout.
+        (0.5, 0.6, 1.0, 0.25, 0.5, 1.25),
+    ],
 )
-def test_the_stall_window_is_the_bound(timeout, window, interval, suspect_after, bound):
+def test_the_stall_window_is_the_bound(timeout, window, interval, busy, suspect_after, bound):
     policy = Policy(timeout=timeout, stall_window=window, metrics_interval=interval)
-    assert policy.suspect_after == suspect_after
-    assert policy.stall_bound == bound
+    assert policy.busy_metrics_interval == pytest.approx(busy)
+    assert policy.suspect_after == pytest.approx(suspect_after)
+    assert policy.suspect_after >= 2 * policy.busy_metrics_interval  # a read lands inside it
+    assert policy.stall_bound == pytest.approx(bound)
 
 
 # --- the canary's schedule ------------------------------------------------------------------------
@@ -292,14 +301,18 @@ def test_schedule():
     assert canary_due(ep, POLICY) == pytest.approx(1.01)  # ready, idle: every wait
     busy = apply_sample(ep, sample(0.5, 2, 10.0), "", SPEC)
     busy = apply_sample(busy, sample(1.5, 2, 20.0), "", SPEC)
-    assert canary_due(busy, POLICY) == 1.5 + POLICY.suspect_after  # held while counters move
-    assert not suspected(busy, POLICY, 2.0)
-    assert suspected(busy, POLICY, 2.5)
+    suspect = 1.5 + POLICY.suspect_after
+    assert canary_due(busy, POLICY) == suspect  # held while counters move
+    assert not suspected(busy, POLICY, suspect - 0.01)
+    assert suspected(busy, POLICY, suspect)
     # The confirming canary passes: the requests wait outside the engine; back to every wait.
-    calm = passed(busy, at=2.5)
-    assert parked(calm, POLICY, 2.6)
-    assert canary_due(calm, POLICY) == pytest.approx(2.51 + POLICY.wait)
-    assert "they wait on something outside the engine" in endpoint_verdict(calm, POLICY, 3).reason
+    calm = passed(busy, at=suspect)
+    assert parked(calm, POLICY, suspect + 0.1)
+    assert canary_due(calm, POLICY) == pytest.approx(suspect + 0.01 + POLICY.wait)
+    assert (
+        "they wait on something outside the engine"
+        in endpoint_verdict(calm, POLICY, suspect + 0.5).reason
+    )
 
 
 def test_no_canary_while_not_registered_or_for_a_role_without_one():

@@ -2,7 +2,8 @@
 the fake engine's own app (tests/support/inprocess.py), a client's request held in the engine
 where a test needs work in flight.
 
-Timings: wait 1 s, canary timeout 0.5 s, retry 1 s, metrics read every 1 s, stall window 2.5 s.
+Timings: wait 1 s, canary timeout 0.5 s, retry 1 s, metrics read every 1 s (every 0.25 s while
+work is in flight), stall window 1.25 s.
 """
 
 from __future__ import annotations

@@ -32,6 +32,7 @@ from sidecar.config.values import (
     Token,
     UrlPath,
 )
+from sidecar.core.evidence.policy import STALL_WINDOW_DEFAULT
 from sidecar.core.vocabulary import (
     MONITORED_ENDPOINTS,
     OPTIONAL_ENDPOINTS,
@@ -362,7 +363,9 @@ class Settings(BaseSettings):
         "SIDECAR_STALL_WINDOW",
         None,
         "Seconds with requests in flight and no counter advancing before the endpoint is "
-        "notready as stalled. Unset: DYN_HEALTH_CHECK_REQUEST_TIMEOUT + 2 s.",
+        "notready as stalled: also the longest silent engine step (an unchunked prefill) that is "
+        f"not taken for a stall. Unset: {STALL_WINDOW_DEFAULT} (a hang under load is then found "
+        "sooner than an idle engine's next canary would find it).",
     )
     drain_timeout: float = _seconds(
         "SIDECAR_DRAIN_TIMEOUT",

@@ -5,8 +5,10 @@ is due, and waits for the earliest of the rest or for an observation. The rules:
 
 - Engine-level work, done once per engine and fanned out to its units: the registration check
   every SIDECAR_REGISTRATION_INTERVAL, the metrics read every SIDECAR_METRICS_INTERVAL (when the
-  progress source is on), counting the data-parallel ranks every registration interval until
-  they are counted for the engine's incarnation (SIDECAR_DP_RANKS=auto).
+  progress source is on; every ``Policy.busy_metrics_interval`` while a unit has work in flight
+  and a counter that moves at every step, so that a stall is seen within the stall window),
+  counting the data-parallel ranks every registration interval until they are counted for the
+  engine's incarnation (SIDECAR_DP_RANKS=auto).
 - The heartbeat every :data:`~sidecar.core.verdict.HEARTBEAT_INTERVAL`; the end of a declared
   maintenance window at its deadline.
 - Per unit, its probe: the canary when :func:`~sidecar.core.endpoint.canary_due` says, the
@@ -75,7 +77,11 @@ def next_due(
     window = maintenance_due(snap.endpoints.values())
     due[Work(Job.MAINTENANCE)] = window.until if window is not None else None
     if timing.metrics is not None:
-        due[Work(Job.METRICS)] = every(Work(Job.METRICS), timing.metrics)
+        busy = any(ep.progress.busy and ep.progress.stepwise for ep in snap.endpoints.values())
+        interval = timing.metrics
+        if busy:
+            interval = min(interval, snap.policy.busy_metrics_interval)
+        due[Work(Job.METRICS)] = every(Work(Job.METRICS), interval)
     if timing.count_ranks and snap.ranks_counted_for != snap.incarnation():
         due[Work(Job.RANKS)] = every(Work(Job.RANKS), timing.registration)
     for unit, job in probes.items():

@@ -297,9 +297,11 @@ class Monitor:
             self.observe(RanksCounted(found, label, incarnation))
 
     def _slack(self) -> float:
-        """How long before now a read may have started and still count as now's: half a
-        metrics interval."""
-        return (self.timing.metrics or self.timing.registration) / 2
+        """How long before now a read may have started and still count as now's: half the
+        shortest metrics interval (a busy engine's)."""
+        if self.timing.metrics is None:
+            return self.timing.registration / 2
+        return min(self.timing.metrics, self.health.snapshot.policy.busy_metrics_interval) / 2
 
     async def _registration(self, _: str) -> None:
         """The transport's registration check, once per interval for all its units, with what it
@@ -449,22 +451,21 @@ class Monitor:
         spec = plan.progress_spec()
         self._sent[unit] = self._sent.get(unit, 0) + 1
         self._done.setdefault(unit, 0)
-        # Its baseline: the engine-level read before it left, when that is within one interval
-        # of it; else (the periodic read is due, or slow) a read shared with it, beside the
-        # canary so that it never delays it.
+        # Its baseline: a read that leaves with it (beside it, so that it never delays it): what
+        # the engine computed before the canary left must not excuse its timeout. Should that
+        # read fail, the engine-level read before it stands in, when within one interval of it.
         latest = ep.progress.latest if ep.progress.readable else None
         now = self.health.clock()
-        baseline: ProgressSample | asyncio.Task[ProgressSample | None] | None = latest
-        if watching and (latest is None or latest.at < now - policy.metrics_interval):
-            baseline = asyncio.create_task(self._shared_read(unit, spec, now - self._slack()))
+        reading = asyncio.create_task(self._shared_read(unit, spec, now)) if watching else None
         try:
             result = await probe(plan, request, model)
         except BaseException:
-            if isinstance(baseline, asyncio.Task):
-                baseline.cancel()
+            if reading is not None:
+                reading.cancel()
             raise
-        if isinstance(baseline, asyncio.Task):
-            baseline = await baseline
+        baseline = await reading if reading is not None else None
+        if baseline is None and latest is not None and latest.at >= now - policy.metrics_interval:
+            baseline = latest
         end = None
         if watching and result.outcome is Outcome.TIMEOUT:
             # Only evidence about this canary: the read counts it in flight, so it does not go

@@ -57,8 +57,13 @@ def _progress_lines(b: Blueprint) -> list[str]:
     gauges = " + ".join(map(str, spec.running + spec.waiting))
     shown = spec.in_flight_shown
     return [
-        f"progress       {read} every {s.metrics_interval:g} s, and around each canary; a "
-        "hint, never a verdict",
+        f"progress       {read} every {s.metrics_interval:g} s"
+        + (
+            f", every {b.policy.busy_metrics_interval:g} s while work is in flight"
+            if b.policy.busy_metrics_interval < s.metrics_interval
+            else ""
+        )
+        + ", and around each canary; a hint, never a verdict",
         f"  in flight    {gauges}"
         + (
             ""

@@ -28,7 +28,7 @@ from sidecar.config import (
     shown,
     validated,
 )
-from sidecar.core.evidence.policy import Policy
+from sidecar.core.evidence.policy import Policy, default_stall_window
 from sidecar.core.schedule import Timing
 from sidecar.core.vocabulary import GENERATE, KV_TRANSFER, Cause, Role
 from sidecar.engines import ENGINES, Engine
@@ -88,8 +88,10 @@ def role_of(s: Settings) -> Role:
 
 
 def stall_window_of(s: Settings) -> float:
-    """SIDECAR_STALL_WINDOW, or, unset, the canary timeout + 2 s."""
-    return s.stall_window if s.stall_window is not None else s.request_timeout + 2.0
+    """SIDECAR_STALL_WINDOW, or, unset, :func:`default_stall_window`."""
+    if s.stall_window is not None:
+        return s.stall_window
+    return default_stall_window(s.request_timeout, s.canary_wait_time)
 
 
 def policy_of(s: Settings) -> Policy:

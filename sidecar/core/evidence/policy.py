@@ -4,6 +4,7 @@ same code (``health-sidecar probes``, ``--check-config``, the docs)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -40,6 +41,22 @@ class Sum:
         return " + ".join(str(t) for t in self.terms if t.times != 0)
 
 
+#: The shortest interval between reads of a busy engine's metrics, whatever the stall window.
+MIN_BUSY_READ = 0.25
+#: What SIDECAR_STALL_WINDOW is when unset (:func:`default_stall_window`), in words.
+STALL_WINDOW_DEFAULT = (
+    "DYN_HEALTH_CHECK_REQUEST_TIMEOUT + half of DYN_CANARY_WAIT_TIME, that half at least 0.75 s "
+    "and at most 2 s"
+)
+
+
+def default_stall_window(timeout: float, wait: float) -> float:
+    """The stall window when SIDECAR_STALL_WINDOW is unset: the canary timeout and half the
+    canary wait (at least three of the shortest busy reads, at most 2 s), so that a hang under
+    load is notready sooner than an idle engine's next canary would find it (wait + timeout)."""
+    return timeout + min(2.0, max(3 * MIN_BUSY_READ, wait / 2))
+
+
 @dataclass(frozen=True)
 class Policy:
     failure_threshold: int = 2  # consecutive counted canary failures: ready -> notready
@@ -54,19 +71,41 @@ class Policy:
     check_answer: bool = False  # a passed canary must give this incarnation's first answer
 
     @property
+    def busy_metrics_interval(self) -> float:
+        """Seconds between reads of the engine's metrics while it has work in flight: the
+        metrics interval, or less where the stall window needs it (a third of what the window
+        leaves beside the canary's timeout), never under :data:`MIN_BUSY_READ`."""
+        third = math.floor((self.stall_window - self.timeout) / 3 * 20) / 20  # to 0.05 s
+        return max(MIN_BUSY_READ, min(self.metrics_interval, third))
+
+    @property
     def suspect_after(self) -> float:
         """Seconds of quiet counters with work in flight (counted from the last read that showed
         an advance) before a canary leaves to confirm a stall. Chosen so that a confirmed stall
-        is notready within ``stall_window`` of the counters stopping: up to one metrics interval
-        passes before a read last shows them move, then this, then the canary's timeout."""
-        return max(
-            self.metrics_interval / 2, self.stall_window - self.timeout - self.metrics_interval
-        )
+        is notready within ``stall_window`` of the counters stopping (up to one busy metrics
+        interval passes before a read last shows them move, then this, then the canary's
+        timeout), and never under two busy intervals: the next read of an engine that still
+        computes lands well inside it."""
+        read = self.busy_metrics_interval
+        return max(2 * read, self.stall_window - self.timeout - read)
 
     def to_stalled(self) -> Sum:
-        """From counters stopping under load to notready ("stalled"), at the longest: one
+        """From counters stopping under load to notready ("stalled"), at the longest: one busy
         metrics interval before a read last shows them move, the quiet spell that raises the
         suspicion, then the confirming canary's timeout."""
+        return Sum(
+            (
+                Term(self.busy_metrics_interval, "busy metrics interval"),
+                Term(self.suspect_after, "quiet"),
+                Term(self.timeout, "timeout"),
+            )
+        )
+
+    def to_stalled_from_idle(self) -> Sum:
+        """From work arriving at an idle engine that then computes nothing (a hang, or a silent
+        step) to notready ("stalled"), at the longest: the first read that sees the work comes
+        up to one metrics interval after it arrived (reads go at the busy interval only once one
+        has), then the quiet spell and the confirming canary's timeout."""
         return Sum(
             (
                 Term(self.metrics_interval, "metrics interval"),
