@@ -1,6 +1,7 @@
-"""The gRPC transport's footprint: the sidecar's resident memory with SIDECAR_TRANSPORT=grpc
-beside the same sidecar over HTTP, in one run, against one fake vLLM that serves both (its HTTP
-API and ``--grpc-port``).
+"""The gRPC transports' footprint: the sidecar's resident memory with SIDECAR_TRANSPORT=grpc and
+=openengine beside the same sidecar over HTTP, in one run: against one fake vLLM that serves both
+its HTTP API and ``--grpc-port``, and a fake TensorRT-LLM serving the OpenEngine contract
+(``--grpc-service openengine``; its canaries are TensorRT-LLM's, over HTTP for the baseline too).
 
 Each sidecar (canaries on, ``DYN_CANARY_WAIT_TIME=0.001``) is started alone; its VmRSS is read
 once it serves, once its first canary passed, and after ``--canaries`` (2,000) canaries. The
@@ -72,14 +73,29 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace, argv: list[str] | None) -> int:
-    port = free_port()
+    port, openengine_port = free_port(), free_port()
     engine = FakeEngine("vllm", "aggregated", "--grpc-port", str(port))
-    on = {"DYN_HEALTH_CHECK_ENABLED": "true", "SIDECAR_BACKEND": "vllm"}
-    with running(engine):
+    trtllm = FakeEngine(
+        "trtllm", "aggregated", "--grpc-port", str(openengine_port), "--grpc-service", "openengine"
+    )
+    on = {"DYN_HEALTH_CHECK_ENABLED": "true"}
+    with running(engine), running(trtllm):
         engine.start()
-        http = measure(on | {"SIDECAR_ENGINE_URL": engine.url}, args.canaries)
+        trtllm.start()
+        vllm = on | {"SIDECAR_BACKEND": "vllm"}
+        http = measure(vllm | {"SIDECAR_ENGINE_URL": engine.url}, args.canaries)
         grpc = measure(
-            on | {"SIDECAR_TRANSPORT": "grpc", "SIDECAR_ENGINE_URL": f"grpc://{LOOPBACK}:{port}"},
+            vllm | {"SIDECAR_TRANSPORT": "grpc", "SIDECAR_ENGINE_URL": f"grpc://{LOOPBACK}:{port}"},
+            args.canaries,
+        )
+        trt = on | {"SIDECAR_BACKEND": "trtllm"}
+        trt_http = measure(trt | {"SIDECAR_ENGINE_URL": trtllm.url}, args.canaries)
+        openengine = measure(
+            trt
+            | {
+                "SIDECAR_TRANSPORT": "openengine",
+                "SIDECAR_ENGINE_URL": f"grpc://{LOOPBACK}:{openengine_port}",
+            },
             args.canaries,
         )
     command = " ".join(["python -m bench.grpc_footprint", *map(shlex.quote, argv or sys.argv[1:])])
@@ -90,26 +106,34 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> int:
         ("canaries per second (DYN_CANARY_WAIT_TIME=0.001)", "canaries_per_s"),
     ]
     lines = [
-        "# The gRPC transport's footprint",
+        "# The gRPC transports' footprint",
         "",
         f"Written by `{command}` on {datetime.date.today()} ({platform.machine()}, "
         f"Python {platform.python_version()}, load average {load_average()}, code "
-        f"{code_version()}). One fake vLLM serving HTTP and gRPC; each sidecar alone, canaries "
-        "on, one after the other.",
+        f"{code_version()}). A fake vLLM serving HTTP and gRPC, and a fake TensorRT-LLM serving "
+        "HTTP and the OpenEngine contract; each sidecar alone, canaries on, one after the other.",
         "",
-        "| | over HTTP | over gRPC | gRPC / HTTP |",
-        "|---|---|---|---|",
+        "| | vLLM over HTTP | over gRPC | gRPC / HTTP | TensorRT-LLM over HTTP | over OpenEngine "
+        "| OpenEngine / HTTP |",
+        "|---|---|---|---|---|---|---|",
     ]
     for label, key in rows:
-        ratio = grpc[key] / http[key] if http[key] else float("nan")
-        lines.append(f"| {label} | {http[key]} | {grpc[key]} | {ratio:.2f} |")
+        cells = [label]
+        for base, other in ((http, grpc), (trt_http, openengine)):
+            ratio = other[key] / base[key] if base[key] else float("nan")
+            cells += [str(base[key]), str(other[key]), f"{ratio:.2f}"]
+        lines.append("| " + " | ".join(cells) + " |")
     for name in SHARED_OBJECTS:
-        said = [("loaded" if side["loaded"][name] else "not loaded") for side in (http, grpc)]
-        lines.append(f"| {name} | {said[0]} | {said[1]} | |")
+        said = [
+            "loaded" if side["loaded"][name] else "not loaded"
+            for side in (http, grpc, trt_http, openengine)
+        ]
+        lines.append(f"| {name} | {said[0]} | {said[1]} | | {said[2]} | {said[3]} | |")
     lines += [
         "",
-        "grpcio and the engines' stubs are imported only with SIDECAR_TRANSPORT=grpc (or "
-        "SIDECAR_GRPC_PORT, a grpc:// registration): `tests/test_footprint.py`.",
+        "grpcio, protobuf and the engines' stubs (or the OpenEngine declarations) are imported "
+        "only with SIDECAR_TRANSPORT=grpc or =openengine (or SIDECAR_GRPC_PORT, a grpc:// "
+        "registration): `tests/test_footprint.py`.",
     ]
     args.out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
