@@ -34,6 +34,7 @@ from sidecar.config.values import (
 )
 from sidecar.core.evidence.policy import STALL_WINDOW_DEFAULT
 from sidecar.core.vocabulary import (
+    MAX_DP_RANKS,
     MONITORED_ENDPOINTS,
     OPTIONAL_ENDPOINTS,
     Cause,
@@ -404,7 +405,7 @@ class Settings(BaseSettings):
         "its own line in /health. auto: counted from the ranks the engine's in-flight gauges name "
         "(the same labels), again after each restart; until then one unpinned canary. Unset: auto "
         "for vllm and sglang over HTTP, else 1. 1 turns the count off.",
-        "an integer from 1 to 1024, or auto",
+        f"an integer from 1 to {MAX_DP_RANKS}, or auto",
     )
     dp_min_ready_ranks: int | None = _env(
         "SIDECAR_DP_MIN_READY_RANKS",
@@ -413,9 +414,9 @@ class Settings(BaseSettings):
         "rank count, a wedged rank leaves /health at 200 with the endpoint 'degraded' and the "
         "rank named; its liveness clock still runs (a restart is the only cure for a wedged "
         "rank).",
-        "an integer from 1 to 1024, at most SIDECAR_DP_RANKS",
+        f"an integer from 1 to {MAX_DP_RANKS}, at most SIDECAR_DP_RANKS",
         ge=1,
-        le=1024,
+        le=MAX_DP_RANKS,
     )
     kv_peer_url: HttpUrl | None = _env(
         "SIDECAR_KV_PEER_URL",

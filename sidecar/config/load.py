@@ -88,6 +88,15 @@ def load_settings(
     if env_file is not None:
         if not Path(env_file).is_file():
             raise ConfigError([f"--env-file={env_file!r}: expected an existing file"])
+        try:
+            Path(env_file).read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise ConfigError(
+                [f"--env-file={env_file!r}: expected UTF-8 text (byte {exc.start} is not)"]
+            ) from None
+        except OSError as exc:
+            said = f"--env-file={env_file!r}: cannot be read: {exc.strerror}"
+            raise ConfigError([said]) from None
         kwargs["_env_file"] = env_file
         present |= {k for k, v in dotenv_values(env_file).items() if v}
     for name, value in (defaults or {}).items():

@@ -15,7 +15,7 @@ from urllib.parse import urlsplit
 from pydantic import AfterValidator, BeforeValidator, ValidationInfo
 from pydantic_settings import NoDecode
 
-from sidecar.core.vocabulary import MONITORED_ENDPOINTS, OPTIONAL_ENDPOINTS, Mode
+from sidecar.core.vocabulary import MAX_DP_RANKS, MONITORED_ENDPOINTS, OPTIONAL_ENDPOINTS, Mode
 from sidecar.runtime.grpctarget import grpc_target, host_problem
 
 MAX_SECONDS = 86_400.0
@@ -125,9 +125,9 @@ def _ranks(value: Any) -> Any:
         return text
     if isinstance(text, str) and text.isdigit():
         text = int(text)
-    if isinstance(text, int) and not isinstance(text, bool) and 1 <= text <= 1024:
+    if isinstance(text, int) and not isinstance(text, bool) and 1 <= text <= MAX_DP_RANKS:
         return text
-    raise ValueError("not an integer from 1 to 1024, nor auto")
+    raise ValueError(f"not an integer from 1 to {MAX_DP_RANKS}, nor auto")
 
 
 def _endpoint_list(value: Any) -> Any:

@@ -10,6 +10,8 @@ from enum import StrEnum
 # The endpoints the sidecar monitors. Dynamo names the generation endpoint "generate"; it is the
 # only one a canary can prove, so it is the only one a user may list.
 GENERATE = "generate"
+#: The most data-parallel ranks one engine may have: SIDECAR_DP_RANKS and a counted rank alike.
+MAX_DP_RANKS = 1024
 MONITORED_ENDPOINTS: tuple[str, ...] = (GENERATE,)
 # Endpoints that exist only when configured (kv_transfer: SIDECAR_KV_PEER_URL). They inform,
 # and gate readiness only when DYN_SYSTEM_USE_ENDPOINT_HEALTH_STATUS lists them.

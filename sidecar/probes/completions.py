@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from sidecar.probes.base import PROMPT_TOKEN_IDS
+from sidecar.probes.exchange import engine_said
 
 
 def token_completion_body(
@@ -30,8 +31,8 @@ def body_error(answer: dict[str, Any]) -> str | None:
     if error is None or error == {}:
         return None
     if isinstance(error, dict):
-        return str(error.get("message") or error)
-    return str(error)
+        return engine_said(error.get("message") or error)
+    return engine_said(error)
 
 
 def completion_problem(

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from sidecar.core.evidence.result import Outcome
+from sidecar.core.jsontext import loads as loads_json
 
 if TYPE_CHECKING:
     from sidecar.core.evidence.result import Result
@@ -81,7 +82,7 @@ def error_text(body: bytes) -> str:
     """The engine's error message from a JSON error body, or the start of the text."""
     text = body.decode("utf-8", "replace").strip()
     try:
-        parsed = json.loads(text)
+        parsed = loads_json(text)
     except ValueError:
         parsed = None
     if isinstance(parsed, dict):
@@ -90,9 +91,13 @@ def error_text(body: bytes) -> str:
             err = err.get("message", err)
         if err is not None:
             text = err if isinstance(err, str) else json.dumps(err)
-    text = " ".join(text.split())
-    if not text:
-        return "(empty body)"
+    return engine_said(text) or "(empty body)"
+
+
+def engine_said(value: object) -> str:
+    """What an engine said (its error message, an event's text), as it may go into a reason and
+    a log line: one line of at most ERROR_TEXT_CHARS characters, whatever the engine sent."""
+    text = " ".join((value if isinstance(value, str) else str(value)).split())
     return text[:ERROR_TEXT_CHARS] + ("..." if len(text) > ERROR_TEXT_CHARS else "")
 
 
@@ -112,7 +117,7 @@ def parsed_answer(answer: Answer | Streamed | NoAnswer) -> Any:
     if not isinstance(answer, Answer) or answer.status != 200:
         return None
     try:
-        return json.loads(answer.body)
+        return loads_json(answer.body)
     except ValueError:
         return None
 

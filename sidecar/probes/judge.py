@@ -22,11 +22,10 @@ tokens, the finish reason, the shape of its body or chunks.
 
 from __future__ import annotations
 
-import json
-
 from sidecar.core.evidence.result import Outcome, Result
+from sidecar.core.jsontext import loads as loads_json
 from sidecar.probes.base import CanaryPlan, CanaryRequest
-from sidecar.probes.exchange import Answer, NoAnswer, Received, Streamed, error_text
+from sidecar.probes.exchange import Answer, NoAnswer, Received, Streamed, engine_said, error_text
 
 
 def judge(plan: CanaryPlan, request: CanaryRequest, received: Received) -> Result:
@@ -69,7 +68,7 @@ def _http(
         shown = answer.content_type or "none"
         return Outcome.INVALID, f"content-type {shown}, expected JSON", None
     try:
-        parsed = json.loads(answer.body)
+        parsed = loads_json(answer.body)
     except ValueError:
         return Outcome.INVALID, f"body is not valid JSON ({len(answer.body)} bytes)", None
     problem = plan.problem(parsed, request.expected_tokens)
@@ -82,7 +81,7 @@ def _stream(
     plan: CanaryPlan, request: CanaryRequest, answer: Streamed
 ) -> tuple[Outcome, str, str | None, bool]:
     if answer.error is not None:
-        return Outcome.ERROR, f"worker error: {answer.error}", None, True
+        return Outcome.ERROR, f"worker error: {engine_said(answer.error)}", None, True
     chunks = list(answer.chunks)
     failed = plan.prober.failure(chunks)
     if failed is not None:

@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from sidecar.core.evidence.result import Outcome, Result
+from sidecar.core.jsontext import loads as loads_json
 from sidecar.probes.base import CanaryPlan, CanaryRequest
 from sidecar.probes.completions import token_completion_body
 from sidecar.probes.exchange import Answer, Channel, NoAnswer, error_text
@@ -109,7 +109,7 @@ async def post_json(channel: Channel, body: dict[str, Any], deadline: float) -> 
         reason = channel.redact(f"HTTP {answer.status}: {error_text(answer.body)}")
         return NoAnswer(Outcome.ERROR, reason)
     try:
-        return json.loads(answer.body)
+        return loads_json(answer.body)
     except ValueError:
         return NoAnswer(Outcome.INVALID, f"body is not valid JSON ({len(answer.body)} bytes)")
 

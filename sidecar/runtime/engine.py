@@ -9,7 +9,6 @@ Every failure comes back as a result with a precise reason; nothing here raises 
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import zlib
 from collections.abc import Callable
@@ -19,6 +18,7 @@ import httpx
 
 from sidecar import __version__
 from sidecar.core.evidence.result import Outcome, Result
+from sidecar.core.jsontext import loads as loads_json
 from sidecar.probes.base import CanaryRequest
 from sidecar.probes.exchange import Answer, Checked, NoAnswer, Received, error_text
 from sidecar.redact import redact
@@ -74,6 +74,8 @@ def _decode(body: bytes, encoding: str, limit: int) -> bytes:
         raise BadEncoding(f"{encoding} body does not decompress: {exc}") from None
     if len(plain) > limit or inflater.unconsumed_tail:
         raise BodyTooLarge(f"more than {limit} bytes once decompressed")
+    if not inflater.eof:  # the compressed stream ended early: its prefix is not the answer
+        raise BadEncoding(f"{encoding} body does not decompress: the stream is cut short")
     return plain
 
 
@@ -262,7 +264,7 @@ class EngineClient:
         if answer.status != 200:
             return None, f"GET {path} -> {answer.status}", False
         try:
-            sleeping = json.loads(answer.body).get("is_sleeping")
+            sleeping = loads_json(answer.body).get("is_sleeping")
         except (ValueError, AttributeError):
             sleeping = None
         if not isinstance(sleeping, bool):
@@ -278,7 +280,7 @@ class EngineClient:
         if answer.status != 200:
             return None, self.redact(f"GET {path} -> {answer.status}: {error_text(answer.body)}")
         try:
-            data = json.loads(answer.body).get("data")
+            data = loads_json(answer.body).get("data")
             model = data[0]["id"]
         except (ValueError, AttributeError, LookupError, TypeError):
             return None, f"GET {path}: no model id in the answer"

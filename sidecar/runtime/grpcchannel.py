@@ -177,6 +177,8 @@ class GrpcEngine:
                 messages.append(_as_dict(answer))
         except grpc.aio.AioRpcError as exc:
             return received(refusal(exc, deadline, what))
+        except UnreadableMessage as exc:
+            return received(NoAnswer(Outcome.INVALID, f"{what}: an unreadable message ({exc})"))
         return received(Streamed(tuple(messages)))
 
     def redact(self, text: str) -> str:
@@ -215,9 +217,17 @@ class RpcRegistration:
         """Nothing of its own to close."""
 
 
+class UnreadableMessage(ValueError):
+    """A message that decoded but that no JSON mapping reads (a map key that is not UTF-8, in a
+    message declared proto2): the answer is invalid."""
+
+
 def _as_dict(message: Message) -> dict[str, Any]:
     """A message as a dict: the proto's field names, unset fields absent (a oneof shows the one it
     holds), 64-bit integers as strings (protobuf's JSON mapping; token ids are 32-bit)."""
-    return json_format.MessageToDict(
-        message, preserving_proto_field_name=True, use_integers_for_enums=False
-    )
+    try:
+        return json_format.MessageToDict(
+            message, preserving_proto_field_name=True, use_integers_for_enums=False
+        )
+    except json_format.Error as exc:
+        raise UnreadableMessage(" ".join(str(exc).split())[:DETAILS_CHARS]) from None

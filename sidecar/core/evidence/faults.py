@@ -17,10 +17,11 @@ A server that does not serve the route (404: no fault tolerance) is not asked ag
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from sidecar.core.jsontext import loads as loads_json
 
 FAILED = frozenset({"unhealthy", "dead"})
 PAUSED = frozenset({"paused", "recovering"})
@@ -129,6 +130,6 @@ def read_status(status: int, body: str) -> tuple[dict[int, EngineReport] | None,
     if status != 200:
         return None, False
     try:
-        return reports_in(json.loads(body)), False
+        return reports_in(loads_json(body)), False
     except ValueError:
         return None, False

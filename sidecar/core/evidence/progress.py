@@ -11,11 +11,14 @@ canary. Which samples mean what is each backend's business: ``progress`` in
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
+
+from sidecar.core.vocabulary import MAX_DP_RANKS
 
 # The counter categories a spec may list. Each advances only when the engine computes.
 PROMPT, GENERATION, STEPS, COMPLETED = "prompt", "generation", "steps", "completed"
@@ -124,6 +127,10 @@ class MetricsUnreadable(ValueError):
     pass
 
 
+#: The longest line of a series the sidecar reads that it parses (tests/test_fuzz.py).
+MAX_LINE_CHARS = 4096
+
+
 @dataclass(frozen=True)
 class Exposition:
     """One read of an engine's metrics, parsed once for every unit that reads it (each rank, the
@@ -142,7 +149,17 @@ class Exposition:
         """Raises MetricsUnreadable."""
         wanted = frozenset(names)
         prefixes = tuple(wanted)
-        kept = "\n".join(line for line in text.splitlines() if line.startswith(prefixes))
+        lines = [line for line in text.splitlines() if line.startswith(prefixes)]
+        # prometheus-client's parser takes time quadratic in a line's length (a label value of
+        # escaped quotes, a sample of many labels): a line of a series read is a name, a few
+        # labels and a value, so a longer one is not an exposition the sidecar reads.
+        long = next((line for line in lines if len(line) > MAX_LINE_CHARS), None)
+        if long is not None:
+            raise MetricsUnreadable(
+                f"a line of {len(long)} characters for {long[:60]!r}... (at most "
+                f"{MAX_LINE_CHARS} are read)"
+            )
+        kept = "\n".join(lines)
         by_name: dict[str, list[Sample]] = {}
         try:
             for family in text_string_to_metric_families(kept + "\n"):
@@ -219,6 +236,9 @@ def read_progress(
     )
 
 
+RANK_LABEL = re.compile(r"[0-9]{1,4}")
+
+
 def ranks_in(text: str | Exposition, gauges: tuple[Series, ...], label: str) -> tuple[int, ...]:
     """The data-parallel ranks an exposition shows: the values of ``label`` on the ``gauges``
     (vLLM: engine="0", engine="1", ... on its in-flight gauges; SGLang: dp_rank="0", ...); () when
@@ -231,7 +251,10 @@ def ranks_in(text: str | Exposition, gauges: tuple[Series, ...], label: str) -> 
     if not samples:
         return ()
     values = {sample.labels.get(label, "") for _, sample in samples}
-    return tuple(sorted(int(v) for v in values if v.isdigit())) or (0,)
+    # A rank is an ASCII number below MAX_DP_RANKS ("01" is rank 1); any other label value
+    # (a superscript digit, thousands of digits, a rank past the bound) names no rank.
+    ranks = {int(v) for v in values if RANK_LABEL.fullmatch(v) and int(v) < MAX_DP_RANKS}
+    return tuple(sorted(ranks)) or (0,)
 
 
 def unusable(sample: ProgressSample, spec: ProgressSpec) -> str | None:

@@ -16,6 +16,7 @@ from sidecar.core.evidence.progress import COMPLETED, GENERATION, CanaryCost, Pr
 from sidecar.core.vocabulary import Role
 from sidecar.engines.base import Canary, Engine, FakeTransfer, LocalRun, Need, NoCanary
 from sidecar.probes.base import Prober
+from sidecar.probes.exchange import engine_said
 
 # dynamo._core.backend.HEALTH_CHECK_KEY: the marker Dynamo's handlers look for. TensorRT-LLM's
 # decode handler runs a request locally only when it carries the marker and disaggregated_params;
@@ -87,7 +88,7 @@ def stream_problem(chunks: Any, expected_tokens: int | None, *, exact: bool = Tr
         return "a chunk is not a JSON object"
     for chunk in chunks:
         if chunk.get("error"):
-            return f"engine error in a chunk: {chunk['error']}"
+            return f"engine error in a chunk: {engine_said(chunk['error'])}"
     finish = _finish(chunks[-1])
     if finish is None:
         return f"no finish_reason on the last of {len(chunks)} chunk(s)"

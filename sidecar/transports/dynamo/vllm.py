@@ -9,13 +9,13 @@ timeout).
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Mapping
 from pathlib import PurePosixPath
 from typing import Any, ClassVar
 
 from sidecar.core.evidence.progress import COMPLETED, GENERATION, CanaryCost
+from sidecar.core.jsontext import loads as loads_json
 from sidecar.core.vocabulary import EmbeddingTransfer, Mode, Role
 from sidecar.engines.base import Canary, Engine, NoCanary
 from sidecar.probes.base import CanaryRequest, token_ids
@@ -60,7 +60,7 @@ def _encoded(chunk: Any) -> Any:
     """A chunk of the encode worker's answer: its handler yields the request as JSON text."""
     if isinstance(chunk, str):
         try:
-            return json.loads(chunk)
+            return loads_json(chunk)
         except ValueError:
             return None
     return chunk

@@ -13,13 +13,13 @@ SIDECAR_ENGINE_URL, three things, each for its own evidence source:
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Callable
 
 from sidecar.core.evidence.progress import MetricsUnreadable
 from sidecar.core.evidence.result import Outcome, Result
+from sidecar.core.jsontext import loads as loads_json
 from sidecar.core.vocabulary import GENERATE
 from sidecar.probes.base import CanaryRequest
 from sidecar.probes.exchange import (
@@ -48,7 +48,7 @@ def _engine_health(path: str, answer: Answer | NoAnswer) -> EngineHealth:
     if isinstance(answer, NoAnswer):
         return EngineHealth(None, None, answer.reason)
     try:
-        status = json.loads(answer.body).get("status")
+        status = loads_json(answer.body).get("status")
     except (ValueError, AttributeError):
         status = None
     status = status if isinstance(status, str) else None
@@ -95,7 +95,7 @@ class DynamoWorker:
             return None, Outcome.ERROR, f"GET {path} -> {answer.status}{hint}"
         try:
             if self.plane.local:
-                found = instances_in_metadata(json.loads(answer.body), self.want)
+                found = instances_in_metadata(loads_json(answer.body), self.want)
             else:
                 found = instances_in_metrics(answer.body.decode("utf-8", "replace"), self.want)
         except (ValueError, MetricsUnreadable) as exc:

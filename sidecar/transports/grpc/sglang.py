@@ -14,12 +14,12 @@ numbers.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any, ClassVar
 
 from sidecar.core.evidence.progress import ProgressSpec, Series
+from sidecar.core.jsontext import loads as loads_json
 from sidecar.core.vocabulary import Mode
 from sidecar.engines.base import FakeTransfer
 from sidecar.probes.base import CanaryRequest, token_ids
@@ -96,7 +96,7 @@ def _finish_type(message: Mapping[str, Any]) -> str | None:
     meta = message.get("meta_info")
     said = meta.get("finish_reason") if isinstance(meta, Mapping) else None
     try:
-        reason = json.loads(said) if isinstance(said, str) else None
+        reason = loads_json(said) if isinstance(said, str) else None
     except ValueError:
         return None
     kind = reason.get("type") if isinstance(reason, Mapping) else None

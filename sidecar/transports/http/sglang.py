@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 
 from sidecar.core.vocabulary import Mode
 from sidecar.probes.base import CanaryRequest, token_ids
+from sidecar.probes.exchange import engine_said
 from sidecar.transports.http.base import HttpProber, carried
 
 ABORT_PATH = "/abort_request"
@@ -54,7 +55,7 @@ class SglangProber(HttpProber):
         if not isinstance(answer, dict):
             return "body is not a JSON object"
         if answer.get("error"):
-            return f"engine error in body: {answer['error']}"
+            return f"engine error in body: {engine_said(answer['error'])}"
         meta = answer.get("meta_info")
         if not isinstance(meta, dict):
             return "no meta_info in body"

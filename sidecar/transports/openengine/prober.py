@@ -31,6 +31,7 @@ from typing import Any, ClassVar
 
 from sidecar.engines.base import Canary, FakeTransfer, LocalRun, NewImage
 from sidecar.probes.base import CanaryRequest, Prober, token_ids
+from sidecar.probes.exchange import engine_said
 
 INFERENCE = "openengine.v1.Inference"
 CONTROL = "openengine.v1.Control"
@@ -112,7 +113,7 @@ class OpenEngineProber(Prober):
             error = event.get("error")
             if isinstance(error, Mapping):
                 code = str(error.get("code", "ERROR_CODE_UNSPECIFIED"))
-                said = f"{code}: {error.get('message', '')}".rstrip(": ")
+                said = engine_said(f"{code}: {error.get('message', '')}".rstrip(": "))
                 return f"engine error {said}", code in REJECTIONS
         return None
 
