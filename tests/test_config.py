@@ -74,7 +74,9 @@ def test_valid_values(monkeypatch, env, field, value):
         ("DYN_CANARY_WAIT_TIME", "inf", "seconds > 0"),
         ("DYN_HEALTH_CHECK_ENABLED", "sometimes", "true or false"),
         ("DYN_SYSTEM_STARTING_HEALTH_STATUS", "healthy", "ready or notready"),
-        ("DYN_HEALTH_CHECK_PAYLOAD", "@/nonexistent/payload.json", "No such file"),
+        ("DYN_HEALTH_CHECK_PAYLOAD", "@/nonexistent/payload.json", "is not a regular file"),
+        # A device or a FIFO would never end (or hang) the read: refused before it starts.
+        ("DYN_HEALTH_CHECK_PAYLOAD", "@/dev/zero", "'/dev/zero' is not a regular file"),
         ("DYN_HEALTH_CHECK_PAYLOAD", "[1, 2]", "JSON object"),
         ("DYN_HEALTH_CHECK_PAYLOAD", "{bad", "JSON object"),
         ("DYN_SYSTEM_HEALTH_PATH", "health", "URL path"),
@@ -100,6 +102,17 @@ def test_live_and_health_paths_must_differ(monkeypatch):
     with pytest.raises(ConfigError) as info:
         settings_from(monkeypatch, DYN_SYSTEM_HEALTH_PATH="/x", DYN_SYSTEM_LIVE_PATH="/x")
     assert info.value.lines[0].startswith("DYN_SYSTEM_LIVE_PATH=")
+
+
+@pytest.mark.unit
+def test_a_payload_file_over_a_mebibyte_is_refused_unread(monkeypatch, tmp_path):
+    path = tmp_path / "payload.json"
+    path.write_text('{"prompt": "' + "x" * (1 << 20) + '"}')
+    with pytest.raises(ConfigError) as info:
+        settings_from(monkeypatch, DYN_HEALTH_CHECK_PAYLOAD=f"@{path}")
+    (line,) = info.value.lines
+    assert line.startswith("DYN_HEALTH_CHECK_PAYLOAD=")
+    assert "holds more than 1048576 bytes" in line
 
 
 @pytest.mark.unit

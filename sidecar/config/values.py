@@ -144,6 +144,10 @@ def _endpoint_list(value: Any) -> Any:
     return tuple(dict.fromkeys(value))
 
 
+#: The largest DYN_HEALTH_CHECK_PAYLOAD file read (a canary is a small request).
+MAX_PAYLOAD_BYTES = 1 << 20
+
+
 def _payload(value: Any) -> Any:
     if value is None or isinstance(value, dict):
         return value
@@ -153,8 +157,14 @@ def _payload(value: Any) -> Any:
     if value.startswith("@"):
         path = Path(value[1:])
         try:
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError, ValueError) as exc:
+            if not path.is_file():  # a FIFO or a device (/dev/zero) would hang or never end
+                raise ValueError(f"{str(path)!r} is not a regular file")
+            with path.open("rb") as file:
+                data = file.read(MAX_PAYLOAD_BYTES + 1)
+            if len(data) > MAX_PAYLOAD_BYTES:
+                raise ValueError(f"{str(path)!r} holds more than {MAX_PAYLOAD_BYTES} bytes")
+            text = data.decode("utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
             why = getattr(exc, "strerror", None) or type(exc).__name__
             raise ValueError(f"cannot read {str(path)!r}: {why}") from None
     try:
