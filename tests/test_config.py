@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from sidecar.config import ConfigError
+from sidecar.config import ConfigError, Settings
 from sidecar.core.vocabulary import Mode
 from tests.support.configured import run_cli, settings_from
 from tests.support.harness import ROOT
@@ -201,3 +201,13 @@ def test_a_missing_runtime_is_refused_at_start_with_the_command_that_installs_it
     (line,) = started.stderr.strip().splitlines()
     assert line.startswith("health-sidecar: cannot start: SIDECAR_TRANSPORT=dynamo: expected")
     assert hint in line
+
+
+@pytest.mark.unit
+def test_the_stall_windows_help_says_the_default_the_policy_computes():
+    """The configuration reference's words for the default are the policy's own (one source: the
+    help cannot import the policy, which the configuration does not load)."""
+    from sidecar.core.evidence.policy import STALL_WINDOW_DEFAULT
+
+    help_text = " ".join(Settings.model_fields["stall_window"].description.split())
+    assert f"Unset: {STALL_WINDOW_DEFAULT} (" in help_text

@@ -32,18 +32,17 @@ from sidecar.config.values import (
     Token,
     UrlPath,
 )
-from sidecar.core.evidence.policy import STALL_WINDOW_DEFAULT
 from sidecar.core.vocabulary import (
     MAX_DP_RANKS,
     MONITORED_ENDPOINTS,
     OPTIONAL_ENDPOINTS,
+    POD_RESTART_CODES,
     Cause,
     EmbeddingTransfer,
     Mode,
     ModelType,
     StartingStatus,
 )
-from sidecar.runtime.exits import POD_RESTART_CODES
 
 
 class LogLevel(StrEnum):
@@ -365,8 +364,9 @@ class Settings(BaseSettings):
         None,
         "Seconds with requests in flight and no counter advancing before the endpoint is "
         "notready as stalled: also the longest silent engine step (an unchunked prefill) that is "
-        f"not taken for a stall. Unset: {STALL_WINDOW_DEFAULT} (a hang under load is then found "
-        "sooner than an idle engine's next canary would find it).",
+        "not taken for a stall. Unset: DYN_HEALTH_CHECK_REQUEST_TIMEOUT + half of "
+        "DYN_CANARY_WAIT_TIME, that half at least 0.75 s and at most 2 s (a hang under load is "
+        "then found sooner than an idle engine's next canary would find it).",
     )
     drain_timeout: float = _seconds(
         "SIDECAR_DRAIN_TIMEOUT",

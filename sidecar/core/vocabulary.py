@@ -12,6 +12,10 @@ from enum import StrEnum
 GENERATE = "generate"
 #: The most data-parallel ranks one engine may have: SIDECAR_DP_RANKS and a counted rank alike.
 MAX_DP_RANKS = 1024
+#: The exit codes SIDECAR_POD_RESTART_EXIT_CODE may take: none the sidecar, Python, a shell or a
+#: signal already exits with (1-3: sidecar/runtime/exits.py; 126 and 127 a shell's; 128 + N a
+#: signal's).
+POD_RESTART_CODES = range(4, 126)
 MONITORED_ENDPOINTS: tuple[str, ...] = (GENERATE,)
 # Endpoints that exist only when configured (kv_transfer: SIDECAR_KV_PEER_URL). They inform,
 # and gate readiness only when DYN_SYSTEM_USE_ENDPOINT_HEALTH_STATUS lists them.

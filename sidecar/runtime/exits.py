@@ -3,9 +3,6 @@
 EXIT_FAILURE = 1
 EXIT_CONFIG = 2
 EXIT_NOT_HERE = 3
-#: The exit codes SIDECAR_POD_RESTART_EXIT_CODE may take: none the sidecar, Python, a shell or a
-#: signal already exits with (1-3 above, 126 and 127 a shell's, 128 + N a signal's).
-POD_RESTART_CODES = range(4, 126)
 #: What each exit status says.
 EXIT_STATUSES: dict[int | str, str] = {
     0: "the configuration is valid: `--check-config` printed its plan, and this machine has what "
