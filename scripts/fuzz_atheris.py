@@ -72,12 +72,12 @@ with atheris.instrument_imports(include=["sidecar", "prometheus_client"]):
     from sidecar.transports.openengine.messages import DECLARED as OPENENGINE
     from sidecar.wiring import check, resolve
 
-ENGINE_URLS = {
-    "http": "http://127.0.0.1:8000",
-    "dynamo": "http://127.0.0.1:9090",
-    "grpc": "grpc://127.0.0.1:50051",
-    "openengine": "grpc://127.0.0.1:50051",
-}
+
+def engine_url(transport: Any) -> str:
+    """An engine URL of the kind the transport takes (its seam says grpc:// or http(s)://)."""
+    return "grpc://127.0.0.1:50051" if transport.grpc_url else "http://127.0.0.1:8000"
+
+
 PAYLOAD = '{"prompt": "x", "max_tokens": 1}'
 
 
@@ -94,7 +94,7 @@ def _plans() -> list[CanaryPlan]:
                             "SIDECAR_BACKEND": backend,
                             "SIDECAR_DISAGGREGATION_MODE": mode.value,
                             "SIDECAR_TRANSPORT": name,
-                            "SIDECAR_ENGINE_URL": ENGINE_URLS[name],
+                            "SIDECAR_ENGINE_URL": engine_url(transport),
                             "DYN_HEALTH_CHECK_ENABLED": "true",
                         }
                         if mode is Mode.ENCODE:

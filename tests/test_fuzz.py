@@ -143,12 +143,12 @@ def run(call: Callable[[], Awaitable[T]]) -> T:
 
 # --- the plans: every transport, backend and role that gets a canary ------------------------------
 
-ENGINE_URLS = {
-    "http": "http://127.0.0.1:8000",
-    "dynamo": "http://127.0.0.1:9090",  # the worker's system server
-    "grpc": "grpc://127.0.0.1:50051",
-    "openengine": "grpc://127.0.0.1:50051",
-}
+
+def engine_url(transport: Any) -> str:
+    """An engine URL of the kind the transport takes (its seam says grpc:// or http(s)://)."""
+    return "grpc://127.0.0.1:50051" if transport.grpc_url else "http://127.0.0.1:8000"
+
+
 PAYLOAD = '{"prompt": "x", "max_tokens": 1}'  # a user's DYN_HEALTH_CHECK_PAYLOAD: generic checks
 
 
@@ -164,7 +164,7 @@ def _all_plans() -> dict[str, CanaryPlan]:
                             "backend": backend,
                             "disaggregation_mode": mode.value,
                             "transport": name,
-                            "engine_url": ENGINE_URLS[name],
+                            "engine_url": engine_url(transport),
                             "health_check_enabled": True,
                         }
                         if mode is Mode.ENCODE:

@@ -224,8 +224,8 @@ class Settings(BaseSettings):
     backend: Choice = _env(
         "SIDECAR_BACKEND",
         "vllm",
-        "The engine: vllm, sglang, trtllm, or openai (any other OpenAI-compatible server, such "
-        "as llama.cpp's llama-server); sidecar/engines/ holds each one's rules.",
+        "The engine, one of those sidecar/engines/ holds the rules of (the expected values); "
+        "openai is any other OpenAI-compatible server, such as llama.cpp's llama-server.",
         "the name of a backend",
     )
     disaggregation_mode: Annotated[Mode, ModeAlias] = _env(

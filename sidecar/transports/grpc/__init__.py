@@ -1,7 +1,8 @@
 """The gRPC transport (SIDECAR_TRANSPORT=grpc, SIDECAR_ENGINE_URL=grpc://HOST:PORT): canaries over
 the engines' gRPC generation services, the ones SGLang Model Gateway routes to, on the engines'
 own stubs (the grpc extra: smg-grpc-proto). One prober per service (``vllm.py``, ``sglang.py``,
-``trtllm.py``, on ``base.py``), called through ``channel.py``, whose deadline ends the call on
+``trtllm.py``, on ``base.py``), called through ``sidecar/runtime/grpcchannel.py``, whose deadline
+ends the call on
 the server; on a timeout the probe also sends the engine's ``Abort`` with the canary's request id,
 as SGLang Model Gateway does when its client drops a stream. Registration is the server's own
 grpc.health.v1 where it serves one, else its ``GetModelInfo``.

@@ -4,8 +4,9 @@ answer as its messages, and the judgement of a whole generation.
 The services are SGLang Model Gateway's (``smg-grpc-proto``), as the gateway itself sends them:
 tokenized input, a server-streaming ``Generate`` answered by ``chunk`` messages (the tokens of a
 step) and one ``complete`` (the finish reason and counts), an ``Abort`` by request id. The
-channel (``channel.py``) maps the body onto the request message and each message of the answer
-back into a dict, so a prober here speaks dicts with the proto's field names. Each prober names
+channel (``sidecar/runtime/grpcchannel.py``) maps the body onto the request message and each
+message of the answer back into a dict, so a prober here speaks dicts with the proto's field
+names. Each prober names
 its stubs by importing them in :meth:`GrpcProber.messages` (loaded only with this transport).
 
 A pass needs status OK and a ``complete`` with finish reason ``length`` or ``stop`` and exactly
